@@ -1,0 +1,17 @@
+"""cpa: a research workbench for paged-attention decode kernels.
+
+Importing ``cpa`` is light: torch and the pure-Python/torch submodules below, nothing that
+compiles, profiles or plots.
+"""
+
+__version__ = "0.1.0"
+
+# ---- reference side: pure torch ------------------------------------------------------------
+from . import validation, reference, inputs  # noqa: E402
+from .inputs import make_paged_inputs  # noqa: E402
+
+__all__ = ["__version__", "validation", "reference", "inputs", "make_paged_inputs"]
+
+# ---- kernel side: ops / build / variants ---------------------------------------------------
+# (to be added with the kernel work, e.g. ``from .ops import paged_attention`` and
+#  ``from . import build, variants``; keep these imports free of compile-at-import.)
