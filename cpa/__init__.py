@@ -12,6 +12,9 @@ from .inputs import make_paged_inputs  # noqa: E402
 
 __all__ = ["__version__", "validation", "reference", "inputs", "make_paged_inputs"]
 
-# ---- kernel side: ops / build / variants ---------------------------------------------------
-# (to be added with the kernel work, e.g. ``from .ops import paged_attention`` and
-#  ``from . import build, variants``; keep these imports free of compile-at-import.)
+# ---- kernel side: variants, JIT build, the op (nothing compiles at import) ----------------
+from . import variants  # noqa: E402
+from .build import build  # noqa: E402
+from .ops import paged_attention  # noqa: E402
+
+__all__ += ["variants", "build", "paged_attention"]

@@ -1,0 +1,287 @@
+// The CPA kernels, written once on the tiling interface (tilings.h):
+//   paged_attention_kernel  one workgroup of 4 waves per (sequence, partition, KV head);
+//                           writes each partition's max logit, exp sum and normalized
+//                           partial output (or the final output when one partition
+//                           covers every sequence of the batch).
+//   paged_attention_reduce_kernel   rescales and combines any number of partitions.
+#pragma once
+#include "tilings.h"
+
+namespace cpa {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct AttnParams {
+  void* out;              // [num_seqs, num_heads, HEAD] query dtype (written when out_direct)
+  float* exp_sums;        // [num_seqs, num_heads, max_num_partitions]
+  float* max_logits;      // [num_seqs, num_heads, max_num_partitions]
+  float* tmp_out;         // [num_seqs, num_heads, max_num_partitions, HEAD] or null
+  const uint16_t* query;  // [num_seqs, num_heads, HEAD]
+  const uint8_t* key_cache;
+  const uint8_t* value_cache;
+  const int* block_tables;  // [num_seqs, max_blocks_per_seq]
+  const int* seq_lens;      // [num_seqs]
+  const float* alibi_slopes;  // [num_heads] or null
+  int num_heads;
+  int gqa;                  // query heads per KV head
+  int max_blocks_per_seq;
+  int max_num_partitions;
+  int64_t kv_block_stride;  // bytes between physical blocks
+  int64_t kv_head_stride;   // bytes between KV heads inside a block
+  float scale_log2;         // scale * log2(e) (* k_scale * 256 for fp8)
+  float out_scale;          // 1 (or v_scale * 256 for fp8)
+  int out_direct;           // 1: a single partition covers each sequence, write `out`
+};
+
+struct ReduceParams {
+  void* out;
+  const float* exp_sums;
+  const float* max_logits;
+  const float* tmp_out;
+  const int* seq_lens;
+  int num_heads;
+  int max_num_partitions;
+  int partition_size;
+};
+
+// One compile-time variant. Tag: TilingMfma16 / TilingMfma4 / TilingScalar.
+template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int CAP>
+struct AttnConfig {
+  static constexpr int NUM_WAVES = 4;
+  static constexpr int THREADS = NUM_WAVES * kWave;
+  using Dtype = T;
+  using Tiles = typename TilingFor<Tag, T, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
+  static constexpr int head_size = HEAD, block_size = BLOCK, partition_size = PARTITION;
+  static constexpr bool fp8 = FP8;
+  static_assert(PARTITION % Tiles::TOKENS == 0, "partition must be whole wave steps");
+  static_assert(PARTITION % BLOCK == 0, "partition must be whole KV blocks");
+  static_assert(Tiles::TOKENS % 8 == 0 && BLOCK % 8 == 0, "8-token groups must not straddle blocks");
+  // cross-wave combine slot: O [CAP][HEAD], then max and sum [CAP]
+  static constexpr int SLOT = Tiles::HEADS_CAP * HEAD + 2 * Tiles::HEADS_CAP;
+  static constexpr int COMBINE_FLOATS = (NUM_WAVES / 2) * SLOT;
+  static constexpr int TILE_FLOATS = (Tiles::SMEM_BYTES + 3) / 4;
+  static constexpr int SMEM_FLOATS = COMBINE_FLOATS > TILE_FLOATS ? COMBINE_FLOATS : TILE_FLOATS;
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::THREADS) paged_attention_kernel(const AttnParams p) {
+  using Tl = typename Cfg::Tiles;
+  using T = typename Cfg::Dtype;
+  constexpr int HEAD = Cfg::head_size, BLOCK = Cfg::block_size, PARTITION = Cfg::partition_size;
+  constexpr int NS = Tl::NS, NO = Tl::NO, LH = Tl::LH, CAPH = Tl::HEADS_CAP;
+  __shared__ __attribute__((aligned(16))) float smem[Cfg::SMEM_FLOATS];
+
+  const int seq = block_idx_x(), part = block_idx_y(), kvh = block_idx_z();
+  const int seq_len = p.seq_lens[seq];
+  const int start = part * PARTITION;
+  if (start >= seq_len) return;  // whole workgroup: no barrier is skipped by part of it
+  const int end = start + PARTITION < seq_len ? start + PARTITION : seq_len;
+
+  PagedKV<HEAD, BLOCK, Cfg::fp8> cache{p.key_cache + kvh * p.kv_head_stride,
+                                       p.value_cache + kvh * p.kv_head_stride,
+                                       p.kv_block_stride,
+                                       p.block_tables + (int64_t)seq * p.max_blocks_per_seq,
+                                       (seq_len + BLOCK - 1) / BLOCK,
+                                       seq_len};
+  const int head0 = kvh * p.gqa;
+  typename Tl::Q q;
+  Tl::load_q(q, p.query + ((int64_t)seq * p.num_heads + head0) * HEAD, p.gqa, smem);
+
+  float m[LH], l[LH], slope[LH], o[NO];
+#pragma unroll
+  for (int lh = 0; lh < LH; ++lh) {
+    m[lh] = -1e30f;  // finite: exp2(m_old - m_new) stays 0 or 1, never NaN
+    l[lh] = 0.f;
+    const int h = Tl::lhead(lh);
+    slope[lh] = (p.alibi_slopes && h < p.gqa) ? p.alibi_slopes[head0 + h] * kLog2e : 0.f;
+  }
+#pragma unroll
+  for (int e = 0; e < NO; ++e) o[e] = 0.f;
+
+  // Waves take steps of the partition round-robin; online softmax inside the wave.
+  for (int tok0 = start + wave_id() * Tl::TOKENS; tok0 < end; tok0 += Cfg::NUM_WAVES * Tl::TOKENS) {
+    const bool partial = tok0 + Tl::TOKENS > seq_len;
+    typename Tl::KV kv;
+    Tl::load_kv(kv, cache, tok0, partial);
+    float s[NS];
+    Tl::qk(s, q, kv, smem);
+
+    float mt[LH];
+#pragma unroll
+    for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+      const int lh = Tl::s_lhead(e);
+      const int tok = tok0 + Tl::s_token(e);
+      float x = s[e] * p.scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
+      if (partial && tok >= seq_len) x = -INFINITY;
+      s[e] = x;
+      mt[lh] = fmaxf_(mt[lh], x);
+    }
+    float alpha[LH];
+#pragma unroll
+    for (int lh = 0; lh < LH; ++lh) {
+      const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
+      alpha[lh] = exp2f_fast(m[lh] - mn);
+      l[lh] *= alpha[lh];
+      m[lh] = mn;
+    }
+#pragma unroll
+    for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+      const int lh = Tl::s_lhead(e);
+      s[e] = exp2f_fast(s[e] - m[lh]);
+      l[lh] += s[e];
+    }
+    Tl::pv(o, s, kv, smem);
+  }
+
+#pragma unroll
+  for (int lh = 0; lh < LH; ++lh) l[lh] = Tl::reduce_sum(l[lh]);
+  Tl::finalize_o(o);
+
+  // Combine the waves pairwise through shared memory, in (head, dim) coordinates.
+  barrier();  // the tiling's own shared memory is free from here on
+  for (int half = Cfg::NUM_WAVES / 2; half >= 1; half >>= 1) {
+    const int w = wave_id();
+    if (w >= half && w < 2 * half) {
+      float* so = smem + (w - half) * Cfg::SLOT;
+      if (Tl::writer()) {
+#pragma unroll
+        for (int e = 0; e < NO; ++e) {
+          int h, d;
+          Tl::o_coord(e, h, d);
+          so[h * HEAD + d] = o[e];
+        }
+      }
+      if (Tl::lh_writer()) {
+#pragma unroll
+        for (int lh = 0; lh < LH; ++lh) {
+          so[CAPH * HEAD + Tl::lhead(lh)] = m[lh];
+          so[CAPH * HEAD + CAPH + Tl::lhead(lh)] = l[lh];
+        }
+      }
+    }
+    barrier();
+    if (w < half) {
+      const float* so = smem + w * Cfg::SLOT;
+      float a[LH], b[LH];
+#pragma unroll
+      for (int lh = 0; lh < LH; ++lh) {
+        const float mb = so[CAPH * HEAD + Tl::lhead(lh)], lb = so[CAPH * HEAD + CAPH + Tl::lhead(lh)];
+        const float mn = fmaxf_(m[lh], mb);
+        a[lh] = exp2f_fast(m[lh] - mn);
+        b[lh] = exp2f_fast(mb - mn);
+        l[lh] = l[lh] * a[lh] + lb * b[lh];
+        m[lh] = mn;
+      }
+#pragma unroll
+      for (int e = 0; e < NO; ++e) {
+        int h, d;
+        Tl::o_coord(e, h, d);
+        o[e] = o[e] * a[Tl::o_lhead(e)] + so[h * HEAD + d] * b[Tl::o_lhead(e)];
+      }
+    }
+    barrier();
+  }
+  if (wave_id() != 0) return;
+
+  const int64_t row0 = (int64_t)seq * p.num_heads + head0;
+  if (Tl::lh_writer()) {
+#pragma unroll
+    for (int lh = 0; lh < LH; ++lh) {
+      const int h = Tl::lhead(lh);
+      if (h < p.gqa) {
+        const int64_t idx = (row0 + h) * p.max_num_partitions + part;
+        p.max_logits[idx] = m[lh] * kLn2;
+        p.exp_sums[idx] = l[lh];
+      }
+    }
+  }
+  if (Tl::writer()) {
+    float inv[LH];
+#pragma unroll
+    for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / l[lh];
+#pragma unroll
+    for (int e = 0; e < NO; ++e) {
+      int h, d;
+      Tl::o_coord(e, h, d);
+      if (h < p.gqa) {
+        const float val = o[e] * inv[Tl::o_lhead(e)];
+        if (p.tmp_out) p.tmp_out[((row0 + h) * p.max_num_partitions + part) * HEAD + d] = val;
+        if (p.out_direct) reinterpret_cast<uint16_t*>(p.out)[(row0 + h) * HEAD + d] = T::from_float(val);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- reduce
+template <int THREADS>
+CPA_DEVICE float block_reduce(float x, float* red, bool is_max) {
+  constexpr int NW = THREADS / kWave;
+#pragma unroll
+  for (int mk = 1; mk < kWave; mk <<= 1) {
+    const float y = shfl_xor(x, mk);
+    x = is_max ? fmaxf_(x, y) : x + y;
+  }
+  if (lane_id() == 0) red[wave_id()] = x;
+  barrier();
+  float r = red[0];
+#pragma unroll
+  for (int i = 1; i < NW; ++i) r = is_max ? fmaxf_(r, red[i]) : r + red[i];
+  barrier();
+  return r;
+}
+
+template <class T, int HEAD>
+struct ReduceConfig {
+  static constexpr int THREADS = 256;
+  static constexpr int COLS = HEAD / 4;         // float4 columns of a partial output row
+  static constexpr int ROWS = THREADS / COLS;   // partitions combined in parallel
+  static_assert(THREADS % COLS == 0, "head size / 4 must divide the reduce workgroup");
+};
+
+// grid (num_heads, num_seqs): out = sum_p w_p tmp_out_p / sum_p w_p,
+// w_p = exp_sums_p * exp(max_logits_p - max_q max_logits_q).
+template <class T, int HEAD>
+__global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const ReduceParams p) {
+  using RC = ReduceConfig<T, HEAD>;
+  __shared__ float red[RC::THREADS / kWave];
+  __shared__ __attribute__((aligned(16))) float acc_s[RC::ROWS][HEAD];
+  const int head = block_idx_x(), seq = block_idx_y(), tid = thread_idx();
+  const int seq_len = p.seq_lens[seq];
+  const int np = (seq_len + p.partition_size - 1) / p.partition_size;
+  const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
+  const float* ml = p.max_logits + base;
+  const float* es = p.exp_sums + base;
+
+  float mx = -INFINITY;
+  for (int i = tid; i < np; i += RC::THREADS) mx = fmaxf_(mx, ml[i]);
+  mx = block_reduce<RC::THREADS>(mx, red, true);
+  float wsum = 0.f;
+  for (int i = tid; i < np; i += RC::THREADS) wsum += es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
+  wsum = block_reduce<RC::THREADS>(wsum, red, false);
+
+  const int col = tid % RC::COLS, row = tid / RC::COLS;
+  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  for (int i = row; i < np; i += RC::ROWS) {
+    const float w = es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
+    const u32x4 v = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
+    a0 += w * __uint_as_float(v.x); a1 += w * __uint_as_float(v.y);
+    a2 += w * __uint_as_float(v.z); a3 += w * __uint_as_float(v.w);
+  }
+  acc_s[row][4 * col] = a0; acc_s[row][4 * col + 1] = a1;
+  acc_s[row][4 * col + 2] = a2; acc_s[row][4 * col + 3] = a3;
+  barrier();
+  const float inv = 1.f / wsum;
+  for (int d = tid; d < HEAD; d += RC::THREADS) {
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < RC::ROWS; ++r) s += acc_s[r][d];
+    reinterpret_cast<uint16_t*>(p.out)[((int64_t)seq * p.num_heads + head) * HEAD + d] = T::from_float(s * inv);
+  }
+}
+
+}  // namespace cpa

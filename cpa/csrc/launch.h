@@ -1,0 +1,86 @@
+// C entry points of one compiled variant. No torch headers: a variant builds in seconds
+// and the Python side (cpa/build.py, cpa/ops.py) calls these through ctypes with raw
+// device pointers and the current stream.
+#pragma once
+#include "attention.h"
+
+#if CPA_HIP
+#define CPA_RT(x) hip##x
+#else
+#define CPA_RT(x) cuda##x
+#endif
+
+namespace cpa {
+
+template <class Cfg>
+int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
+  dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
+  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
+  return (int)CPA_RT(GetLastError)();
+}
+
+template <class Cfg>
+int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
+  dim3 grid(p.num_heads, num_seqs);
+  paged_attention_reduce_kernel<typename Cfg::Dtype, Cfg::head_size>
+      <<<grid, ReduceConfig<typename Cfg::Dtype, Cfg::head_size>::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
+  return (int)CPA_RT(GetLastError)();
+}
+
+// which = 0: attention kernel, 1: reduce kernel. out[0..5] = registers per thread,
+// static shared bytes, local (stack) bytes per thread, max threads per block,
+// threads per block launched, resident blocks per SM/CU for that launch.
+template <class Cfg>
+int kernel_attributes(int which, int* out) {
+  CPA_RT(FuncAttributes) a;
+  int blocks = 0, threads = 0, err = 0;
+  if (which == 0) {
+    threads = Cfg::THREADS;
+    err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)paged_attention_kernel<Cfg>);
+    if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, paged_attention_kernel<Cfg>, threads, 0);
+  } else {
+    using RC = ReduceConfig<typename Cfg::Dtype, Cfg::head_size>;
+    threads = RC::THREADS;
+    auto k = paged_attention_reduce_kernel<typename Cfg::Dtype, Cfg::head_size>;
+    err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)k);
+    if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, k, threads, 0);
+  }
+  if (err) return err;
+  out[0] = a.numRegs; out[1] = (int)a.sharedSizeBytes; out[2] = (int)a.localSizeBytes;
+  out[3] = a.maxThreadsPerBlock; out[4] = threads; out[5] = blocks;
+  return 0;
+}
+
+}  // namespace cpa
+
+// One variant's exported symbols. The Python side checks cpa_variant() against the
+// variant it asked for, so a stale or mismatched library is never used.
+#define CPA_DEFINE_VARIANT(NAME, TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP)                     \
+  using CpaCfg = cpa::AttnConfig<TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP>;                    \
+  extern "C" const char* cpa_variant() { return NAME; }                                           \
+  extern "C" int cpa_tokens_per_step() { return CpaCfg::Tiles::TOKENS; }                           \
+  extern "C" int cpa_heads_cap() { return CpaCfg::Tiles::HEADS_CAP; }                              \
+  extern "C" int cpa_attention(void* out, float* exp_sums, float* max_logits, float* tmp_out,      \
+                               const void* query, const void* key_cache, const void* value_cache,  \
+                               const int* block_tables, const int* seq_lens, const float* alibi,   \
+                               int num_seqs, int num_heads, int num_kv_heads,                      \
+                               int max_blocks_per_seq, int max_num_partitions,                     \
+                               long long kv_block_stride, long long kv_head_stride,               \
+                               float scale_log2, float out_scale, int out_direct, void* stream) {  \
+    cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
+                      (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
+                      seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
+                      max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
+                      out_direct};                                                                \
+    return cpa::launch_attention<CpaCfg>(p, num_seqs, num_kv_heads, stream);                      \
+  }                                                                                                \
+  extern "C" int cpa_reduce(void* out, const float* exp_sums, const float* max_logits,             \
+                            const float* tmp_out, const int* seq_lens, int num_seqs,               \
+                            int num_heads, int max_num_partitions, void* stream) {                 \
+    cpa::ReduceParams p{out, exp_sums, max_logits, tmp_out, seq_lens, num_heads,                   \
+                        max_num_partitions, PARTITION};                                            \
+    return cpa::launch_reduce<CpaCfg>(p, num_seqs, stream);                                        \
+  }                                                                                                \
+  extern "C" int cpa_kernel_attributes(int which, int* out) {                                      \
+    return cpa::kernel_attributes<CpaCfg>(which, out);                                             \
+  }

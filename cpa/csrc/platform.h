@@ -1,0 +1,310 @@
+// cpa platform layer: the only file that knows whether it is compiled as HIP (AMD,
+// wave64, MFMA) or CUDA (NVIDIA, warp32, mma.sync). Everything above it is written once.
+//
+// What it provides:
+//   CPA_WAVE                      lanes per wave/warp (64 on CDNA, 32 on NVIDIA)
+//   cpa::lane_id()                lane within the wave
+//   cpa::shfl_xor(v, mask)        butterfly shuffle within the wave
+//   cpa::barrier()                workgroup barrier
+//   cpa::exp2f_fast(x)            hardware 2^x (v_exp_f32 / ex2.approx)
+//   cpa::load16 / load8 / load4   16/8/4-byte vector loads (uint4 / uint2 / uint32)
+//   cpa::F16 / cpa::BF16          16-bit storage tags with pack/unpack of bit pairs
+//   cpa::fp8x4_to_16bit<T>        four e4m3fn bytes -> two packed 16-bit values (value / 256)
+//   matrix-core calls             cpa::mma_* (NVIDIA) and cpa::mfma_* (AMD), operands as
+//                                 packed 32-bit registers so tiles can be written portably.
+//
+// Kernel headers never include torch: each variant also compiles alone with clang or nvcc.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__HIPCC__) || defined(__HIP__)
+#define CPA_HIP 1
+#define CPA_WAVE 64
+#ifndef __HIP_DEVICE_COMPILE__
+#include <hip/hip_runtime.h>
+#else
+// Device-only compiles (-nogpulib) use the clang builtins below; the runtime header is
+// still needed for __global__/threadIdx and friends.
+#include <hip/hip_runtime.h>
+#endif
+#else
+#define CPA_CUDA 1
+#define CPA_WAVE 32
+#include <cuda_runtime.h>
+#endif
+
+#define CPA_DEVICE __device__ __forceinline__
+
+namespace cpa {
+
+constexpr int kWave = CPA_WAVE;
+
+// Work-item ids and the barrier through compiler builtins on AMD: HIP's threadIdx and
+// __syncthreads call into the device libraries (ockl), which a device-only compile with
+// -nogpulib cannot resolve (and an unresolved call skews the reported register counts).
+#if CPA_HIP
+CPA_DEVICE int thread_idx() { return (int)__builtin_amdgcn_workitem_id_x(); }
+CPA_DEVICE int block_idx_x() { return (int)__builtin_amdgcn_workgroup_id_x(); }
+CPA_DEVICE int block_idx_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
+CPA_DEVICE int block_idx_z() { return (int)__builtin_amdgcn_workgroup_id_z(); }
+CPA_DEVICE void barrier() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+#else
+CPA_DEVICE int thread_idx() { return (int)threadIdx.x; }
+CPA_DEVICE int block_idx_x() { return (int)blockIdx.x; }
+CPA_DEVICE int block_idx_y() { return (int)blockIdx.y; }
+CPA_DEVICE int block_idx_z() { return (int)blockIdx.z; }
+CPA_DEVICE void barrier() { __syncthreads(); }
+#endif
+CPA_DEVICE int lane_id() { return thread_idx() & (CPA_WAVE - 1); }
+CPA_DEVICE int wave_id() { return thread_idx() / CPA_WAVE; }
+// Orders shared-memory traffic among the lanes of one wave.
+CPA_DEVICE void wave_sync() {
+#if CPA_HIP
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+CPA_DEVICE float shfl_xor(float v, int mask) {
+#if CPA_HIP
+  // ds_bpermute addresses lanes in bytes.
+  int src = (lane_id() ^ mask) << 2;
+  return __int_as_float(__builtin_amdgcn_ds_bpermute(src, __float_as_int(v)));
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+
+CPA_DEVICE float exp2f_fast(float x) {
+#if CPA_HIP
+  return __builtin_amdgcn_exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+CPA_DEVICE float fmaxf_(float a, float b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------- vector loads
+struct u32x4 { uint32_t x, y, z, w; };
+struct u32x2 { uint32_t x, y; };
+
+CPA_DEVICE u32x4 load16(const void* p) {
+#if CPA_HIP
+  typedef uint32_t v4u __attribute__((ext_vector_type(4)));
+  v4u v = *reinterpret_cast<const v4u*>(p);
+  return {v.x, v.y, v.z, v.w};
+#else
+  uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  return {v.x, v.y, v.z, v.w};
+#endif
+}
+CPA_DEVICE u32x2 load8(const void* p) {
+#if CPA_HIP
+  typedef uint32_t v2u __attribute__((ext_vector_type(2)));
+  v2u v = *reinterpret_cast<const v2u*>(p);
+  return {v.x, v.y};
+#else
+  uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+  return {v.x, v.y};
+#endif
+}
+CPA_DEVICE uint32_t load4(const void* p) {
+#if CPA_HIP
+  return *reinterpret_cast<const uint32_t*>(p);
+#else
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+#endif
+}
+CPA_DEVICE int load_i32(const int* p) {
+#if CPA_HIP
+  return *p;
+#else
+  return __ldg(p);
+#endif
+}
+
+// ---------------------------------------------------------------- 16-bit types
+// Storage is raw 16-bit; arithmetic happens in fp32 or on the matrix cores.
+CPA_DEVICE float half_bits_to_float(uint16_t h) {
+#if CPA_HIP
+  _Float16 v = __builtin_bit_cast(_Float16, h);
+  return (float)v;
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#endif
+}
+CPA_DEVICE uint16_t float_to_half_bits(float f) {
+#if CPA_HIP
+  _Float16 v = (_Float16)f;
+  return __builtin_bit_cast(uint16_t, v);
+#else
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#endif
+}
+CPA_DEVICE float bf16_bits_to_float(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
+CPA_DEVICE uint16_t float_to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return (uint16_t)(u >> 16);
+}
+
+struct F16 {
+  static constexpr bool is_bf16 = false;
+  CPA_DEVICE static float to_float(uint16_t h) { return half_bits_to_float(h); }
+  CPA_DEVICE static uint16_t from_float(float f) { return float_to_half_bits(f); }
+  CPA_DEVICE static uint32_t pack(float lo, float hi) {
+#if CPA_CUDA
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (uint32_t)from_float(lo) | ((uint32_t)from_float(hi) << 16);
+#endif
+  }
+};
+struct BF16 {
+  static constexpr bool is_bf16 = true;
+  CPA_DEVICE static float to_float(uint16_t h) { return bf16_bits_to_float(h); }
+  CPA_DEVICE static uint16_t from_float(float f) { return float_to_bf16_bits(f); }
+  CPA_DEVICE static uint32_t pack(float lo, float hi) {
+#if CPA_CUDA
+    uint32_t r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (uint32_t)from_float(lo) | ((uint32_t)from_float(hi) << 16);
+#endif
+  }
+};
+
+CPA_DEVICE float lo_to_float_f16(uint32_t w) { return half_bits_to_float((uint16_t)(w & 0xffff)); }
+CPA_DEVICE float hi_to_float_f16(uint32_t w) { return half_bits_to_float((uint16_t)(w >> 16)); }
+
+template <class T> CPA_DEVICE float lo_f(uint32_t w) { return T::to_float((uint16_t)(w & 0xffffu)); }
+template <class T> CPA_DEVICE float hi_f(uint32_t w) { return T::to_float((uint16_t)(w >> 16)); }
+
+// ---------------------------------------------------------------- fp8 e4m3fn
+// Two e4m3fn bytes (b0 in bits 0-7, b1 in bits 8-15 of w) -> two fp16 bit patterns whose
+// values are exactly the fp8 values / 256 (fp8 subnormals land on fp16 subnormals). The
+// factor 256 is folded into the k/v scales by the kernel. NaN bytes become finite values:
+// a KV cache never holds NaN in slots a sequence uses.
+CPA_DEVICE uint32_t fp8x2_to_half2_div256(uint32_t w) {
+  uint32_t x = ((w & 0xffu) << 8) | ((w & 0xff00u) << 16);  // b0 -> bits 8-15, b1 -> 24-31
+  return (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
+}
+// Four bytes -> two packed 16-bit registers of type T (fp16 or bf16), value / 256.
+template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
+  uint32_t h01 = fp8x2_to_half2_div256(w & 0xffffu);
+  uint32_t h23 = fp8x2_to_half2_div256(w >> 16);
+  if constexpr (!T::is_bf16) {
+    return {h01, h23};
+  } else {
+    // fp16 -> fp32 is exact; these values have <= 4 significant bits, so truncating fp32
+    // to bf16 is exact too.
+    uint32_t a = __float_as_uint(lo_to_float_f16(h01)) >> 16;
+    uint32_t b = __float_as_uint(hi_to_float_f16(h01)) & 0xffff0000u;
+    uint32_t c = __float_as_uint(lo_to_float_f16(h23)) >> 16;
+    uint32_t d = __float_as_uint(hi_to_float_f16(h23)) & 0xffff0000u;
+    return {a | b, c | d};
+  }
+}
+
+// ---------------------------------------------------------------- matrix cores
+#if CPA_CUDA
+// mma.sync.m16n8k16, fp32 accumulate. a: 4 regs (rows g/g+8 x k pairs), b: 2 regs.
+template <class T>
+CPA_DEVICE void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (T::is_bf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+// mma.sync.m16n8k8, fp32 accumulate. a: 2 regs (rows g, g+8), b: 1 reg.
+template <class T>
+CPA_DEVICE void mma_m16n8k8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  if constexpr (T::is_bf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+  }
+}
+// Transpose an 8x8 b16 matrix held in mma fragment layout (lane g*4+t holds row g,
+// columns 2t, 2t+1) so that each lane holds row g of the transpose.
+CPA_DEVICE uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+#endif  // CPA_CUDA
+
+#if CPA_HIP
+typedef _Float16 cpa_half4 __attribute__((ext_vector_type(4)));
+typedef short cpa_short4 __attribute__((ext_vector_type(4)));
+typedef float cpa_float4 __attribute__((ext_vector_type(4)));
+
+// v_mfma_f32_16x16x16{f16,bf16}: a, b: 4 16-bit values as two packed registers.
+template <class T>
+CPA_DEVICE void mfma_16x16x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
+  cpa_float4 acc = {c[0], c[1], c[2], c[3]};
+  typedef uint32_t v2u __attribute__((ext_vector_type(2)));
+  v2u av = {a0, a1}, bv = {b0, b1};
+  if constexpr (T::is_bf16) {
+    acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(cpa_short4, av),
+                                                   __builtin_bit_cast(cpa_short4, bv), acc, 0, 0, 0);
+  } else {
+    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(cpa_half4, av),
+                                               __builtin_bit_cast(cpa_half4, bv), acc, 0, 0, 0);
+  }
+  c[0] = acc[0]; c[1] = acc[1]; c[2] = acc[2]; c[3] = acc[3];
+}
+// v_mfma_f32_4x4x4{f16,bf16} with 16 blocks: lane l is in block l/4.
+template <class T>
+CPA_DEVICE void mfma_4x4x4_16b(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
+  cpa_float4 acc = {c[0], c[1], c[2], c[3]};
+  typedef uint32_t v2u __attribute__((ext_vector_type(2)));
+  v2u av = {a0, a1}, bv = {b0, b1};
+  if constexpr (T::is_bf16) {
+    acc = __builtin_amdgcn_mfma_f32_4x4x4bf16_1k(__builtin_bit_cast(cpa_short4, av),
+                                                __builtin_bit_cast(cpa_short4, bv), acc, 0, 0, 0);
+  } else {
+    acc = __builtin_amdgcn_mfma_f32_4x4x4f16(__builtin_bit_cast(cpa_half4, av),
+                                            __builtin_bit_cast(cpa_half4, bv), acc, 0, 0, 0);
+  }
+  c[0] = acc[0]; c[1] = acc[1]; c[2] = acc[2]; c[3] = acc[3];
+}
+#endif  // CPA_HIP
+
+}  // namespace cpa

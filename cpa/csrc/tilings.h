@@ -1,0 +1,526 @@
+// Tilings: how one wave maps a step of TOKENS context tokens x the GQA query heads of one
+// KV head onto matrix-core fragments (or plain lanes). The attention kernel is written
+// once against this interface:
+//
+//   TOKENS            tokens one wave handles per step
+//   HEADS_CAP         query heads per KV head the tiling holds (GQA ratio <= HEADS_CAP)
+//   NS, NO, LH        scores, output accumulators and distinct query heads per lane
+//   Q, KV             register state: the query fragment, one step of loaded K and V
+//   load_q            the group's query into Q (zero for heads >= gqa)
+//   load_kv           one step of K and V through the block table (V past seq_len zeroed)
+//   qk                S = K q^T for the step (fp32, unscaled)
+//   pv                O += V P^T for the step, P given in the S layout
+//   s_token(e)        token (within the step) of score element e of this lane
+//   s_lhead(e), o_lhead(e)   local head of score / output element e
+//   lhead(lh)         query head (within the group) of local head lh of this lane
+//   o_coord(e, h, d)  query head and dimension of output element e
+//   reduce_max/sum    over the lanes that hold the same head (the token lanes)
+//   finalize_o        cross-lane sums still owed by the tiling (mfma4 on AMD)
+//   writer / lh_writer       which lanes store outputs / per-head statistics
+//
+// Contraction dimensions (head_size in QK, tokens in PV) may be permuted freely as long as
+// both operands agree; every tiling uses that to turn 16-byte loads straight into fragments.
+#pragma once
+#include "paged_kv.h"
+
+namespace cpa {
+
+struct TilingMfma16 {};  // 16x16x16 MFMA on AMD; mma.sync.m16n8k16 on NVIDIA
+struct TilingMfma4 {};   // 4x4x4 16-block MFMA on AMD; mma.sync.m16n8k8 on NVIDIA
+struct TilingScalar {};  // no matrix cores: per-lane dot products
+
+// ============================================================== NVIDIA: mma.sync
+#if CPA_CUDA
+// Heads in the n = 8 dimension (NT tiles of 8 for GQA up to 16), tokens in m = 16.
+// Lane = 4 * g + t. A step is 32 tokens = two m16 tiles. Thread (g, t) loads
+//   K rows:  tokens 8 (g >> 1) + (g & 1) + {0, 2} + 4 i   (tile i), head dims (4p + t) X + [0, X)
+//   V rows:  head dims 16 m + g + {0, 8},  tokens 8 t + [0, 8)
+// so the token order inside each m16 tile matches the k-slot order that the transposed
+// (movmatrix) score fragment has as the B operand of P x V.
+template <class T, int HEAD, int BLOCK, bool FP8, int NT, bool K8>
+struct MmaTiles {
+  using KV_ = PagedKV<HEAD, BLOCK, FP8>;
+  static constexpr int TOKENS = 32;
+  static constexpr int HEADS_CAP = 8 * NT;
+  static constexpr int X = KV_::X;          // head dims per 16-byte key load
+  static constexpr int KR = X / 2;          // packed registers per key load
+  static constexpr int KG = HEAD / (4 * X); // key loads per token row
+  static constexpr int MT = HEAD / 16;      // m16 tiles of head dims in P x V
+  static constexpr int NS = 2 * NT * 4;
+  static constexpr int NO = MT * NT * 4;
+  static constexpr int LH = 2 * NT;
+  static_assert(HEAD % (4 * X) == 0, "head size must be a multiple of 4 key chunks");
+
+  struct Q { uint32_t r[NT][KG][KR]; };
+  struct KV {
+    uint32_t k[2][2][KG][KR];  // [tile][row g, g+8][load][reg]
+    uint32_t v[MT][2][4];      // [d tile][row g, g+8][reg]: tokens 8t + 2 reg + {0,1}
+  };
+
+  CPA_DEVICE static int g_() { return lane_id() >> 2; }
+  CPA_DEVICE static int t_() { return lane_id() & 3; }
+
+  CPA_DEVICE static void load_q(Q& q, const uint16_t* qg, int gqa, void*) {
+    const int g = g_(), t = t_();
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int h = nt * 8 + g;
+#pragma unroll
+      for (int p = 0; p < KG; ++p) {
+#pragma unroll
+        for (int c = 0; c < KR; c += 4) {
+          u32x4 w = {0u, 0u, 0u, 0u};
+          if (h < gqa) w = load16(qg + h * HEAD + (4 * p + t) * X + 2 * c);
+          q.r[nt][p][c] = w.x; q.r[nt][p][c + 1] = w.y;
+          q.r[nt][p][c + 2] = w.z; q.r[nt][p][c + 3] = w.w;
+        }
+      }
+    }
+  }
+
+  CPA_DEVICE static int s_token(int e) {  // e = (tile * NT + nt) * 4 + c
+    const int g = g_(), tile = e / (4 * NT), c = e & 3;
+    return 8 * (g >> 1) + (g & 1) + 2 * (c >> 1) + 4 * tile;
+  }
+  CPA_DEVICE static constexpr int s_lhead(int e) { return ((e / 4) % NT) * 2 + (e & 1); }
+  CPA_DEVICE static constexpr int o_lhead(int e) { return ((e / 4) % NT) * 2 + (e & 1); }
+  CPA_DEVICE static int lhead(int lh) { return (lh >> 1) * 8 + 2 * t_() + (lh & 1); }
+  CPA_DEVICE static void o_coord(int e, int& h, int& d) {  // e = (mt * NT + nt) * 4 + c
+    const int c = e & 3, nt = (e / 4) % NT, mt = e / (4 * NT);
+    h = nt * 8 + 2 * t_() + (c & 1);
+    d = 16 * mt + g_() + 8 * (c >> 1);
+  }
+  CPA_DEVICE static bool writer() { return true; }
+  CPA_DEVICE static bool lh_writer() { return g_() == 0; }
+
+  CPA_DEVICE static float reduce_max(float x) {
+    x = fmaxf_(x, shfl_xor(x, 4)); x = fmaxf_(x, shfl_xor(x, 8)); return fmaxf_(x, shfl_xor(x, 16));
+  }
+  CPA_DEVICE static float reduce_sum(float x) {
+    x += shfl_xor(x, 4); x += shfl_xor(x, 8); return x + shfl_xor(x, 16);
+  }
+  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
+
+  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+    const int g = g_(), t = t_();
+    const int ktok = tok0 + 8 * (g >> 1) + (g & 1);
+    const int64_t kb = c.block_offset(ktok);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+        for (int p = 0; p < KG; ++p)
+          load_chunk<T, FP8>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
+    const int vtok = tok0 + 8 * t;
+    const int64_t vb = c.block_offset(vtok);
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) load8_elems<T, FP8>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
+    if (partial) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+          for (int u = 0; u < 4; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, c.seq_len);
+    }
+  }
+
+  CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
+#pragma unroll
+    for (int e = 0; e < NS; ++e) s[e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&s[(i * NT + nt) * 4]);
+#pragma unroll
+        for (int p = 0; p < KG; ++p) {
+          if constexpr (K8) {
+#pragma unroll
+            for (int j = 0; j < KR; ++j) mma_m16n8k8<T>(acc, kv.k[i][0][p][j], kv.k[i][1][p][j], q.r[nt][p][j]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < KR / 2; ++j) {
+              const uint32_t a[4] = {kv.k[i][0][p][2 * j], kv.k[i][1][p][2 * j], kv.k[i][0][p][2 * j + 1],
+                                     kv.k[i][1][p][2 * j + 1]};
+              const uint32_t b[2] = {q.r[nt][p][2 * j], q.r[nt][p][2 * j + 1]};
+              mma_m16n8k16<T>(acc, a, b);
+            }
+          }
+        }
+      }
+  }
+
+  CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
+    // Scores are [token row][head col]; P x V needs [head][token] per lane: transpose the
+    // two 8x8 halves of each m16 tile with movmatrix.
+    uint32_t pb[2][NT][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float* sc = &pf[(i * NT + nt) * 4];
+        pb[i][nt][0] = movmatrix_trans(T::pack(sc[0], sc[1]));
+        pb[i][nt][1] = movmatrix_trans(T::pack(sc[2], sc[3]));
+      }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if constexpr (K8) {
+            mma_m16n8k8<T>(acc, kv.v[m][0][2 * i], kv.v[m][1][2 * i], pb[i][nt][0]);
+            mma_m16n8k8<T>(acc, kv.v[m][0][2 * i + 1], kv.v[m][1][2 * i + 1], pb[i][nt][1]);
+          } else {
+            const uint32_t a[4] = {kv.v[m][0][2 * i], kv.v[m][1][2 * i], kv.v[m][0][2 * i + 1], kv.v[m][1][2 * i + 1]};
+            const uint32_t b[2] = {pb[i][nt][0], pb[i][nt][1]};
+            mma_m16n8k16<T>(acc, a, b);
+          }
+        }
+      }
+  }
+  static constexpr int SMEM_BYTES = 0;
+};
+#endif  // CPA_CUDA
+
+// ============================================================== AMD: MFMA
+#if CPA_HIP
+// v_mfma_f32_16x16x16: lane l = 16 q + r. A[i = r][k = 4q + 0..3], B[k = 4q + 0..3][j = r],
+// D[i = 4q + 0..3][j = r]. Tokens in i (QK) and k (PV), heads in j: the QK result is
+// already the B operand of P x V, so no data moves between lanes. Step = 32 tokens.
+//   K rows: token 8 (r >> 2) + 4 i + (r & 3) of tile i, head dims (4p + q) X + [0, X)
+//   V rows: head dims 16 m + r, tokens 8 q + [0, 8)
+template <class T, int HEAD, int BLOCK, bool FP8>
+struct Mfma16Tiles {
+  using KV_ = PagedKV<HEAD, BLOCK, FP8>;
+  static constexpr int TOKENS = 32;
+  static constexpr int HEADS_CAP = 16;
+  static constexpr int X = KV_::X;
+  static constexpr int KR = X / 2;
+  static constexpr int KG = HEAD / (4 * X);
+  static constexpr int MT = HEAD / 16;
+  static constexpr int NS = 8;
+  static constexpr int NO = MT * 4;
+  static constexpr int LH = 1;
+  static_assert(HEAD % (4 * X) == 0, "head size must be a multiple of 4 key chunks");
+
+  struct Q { uint32_t r[KG][KR]; };
+  struct KV { uint32_t k[2][KG][KR]; uint32_t v[MT][4]; };
+
+  CPA_DEVICE static int r_() { return lane_id() & 15; }
+  CPA_DEVICE static int q_() { return lane_id() >> 4; }
+
+  CPA_DEVICE static void load_q(Q& q, const uint16_t* qg, int gqa, void*) {
+    const int h = r_(), qq = q_();
+#pragma unroll
+    for (int p = 0; p < KG; ++p)
+#pragma unroll
+      for (int c = 0; c < KR; c += 4) {
+        u32x4 w = {0u, 0u, 0u, 0u};
+        if (h < gqa) w = load16(qg + h * HEAD + (4 * p + qq) * X + 2 * c);
+        q.r[p][c] = w.x; q.r[p][c + 1] = w.y; q.r[p][c + 2] = w.z; q.r[p][c + 3] = w.w;
+      }
+  }
+  CPA_DEVICE static int s_token(int e) { return 8 * q_() + 4 * (e >> 2) + (e & 3); }
+  CPA_DEVICE static constexpr int s_lhead(int) { return 0; }
+  CPA_DEVICE static constexpr int o_lhead(int) { return 0; }
+  CPA_DEVICE static int lhead(int) { return r_(); }
+  CPA_DEVICE static void o_coord(int e, int& h, int& d) { h = r_(); d = 16 * (e >> 2) + 4 * q_() + (e & 3); }
+  CPA_DEVICE static bool writer() { return true; }
+  CPA_DEVICE static bool lh_writer() { return q_() == 0; }
+  CPA_DEVICE static float reduce_max(float x) { x = fmaxf_(x, shfl_xor(x, 16)); return fmaxf_(x, shfl_xor(x, 32)); }
+  CPA_DEVICE static float reduce_sum(float x) { x += shfl_xor(x, 16); return x + shfl_xor(x, 32); }
+  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
+
+  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+    const int r = r_(), qq = q_();
+    const int ktok = tok0 + 8 * (r >> 2) + (r & 3);
+    const int64_t kb = c.block_offset(ktok);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int p = 0; p < KG; ++p) load_chunk<T, FP8>(kv.k[i][p], c.k_ptr(kb, ktok + 4 * i, (4 * p + qq) * X));
+    const int vtok = tok0 + 8 * qq;
+    const int64_t vb = c.block_offset(vtok);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) load8_elems<T, FP8>(kv.v[m], c.v_ptr(vb, 16 * m + r, vtok));
+    if (partial) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int u = 0; u < 4; ++u) kv.v[m][u] = mask_pair(kv.v[m][u], vtok + 2 * u, c.seq_len);
+    }
+  }
+  CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
+#pragma unroll
+    for (int e = 0; e < NS; ++e) s[e] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&s[4 * i]);
+#pragma unroll
+      for (int p = 0; p < KG; ++p)
+#pragma unroll
+        for (int j = 0; j < KR / 2; ++j)
+          mfma_16x16x16<T>(acc, kv.k[i][p][2 * j], kv.k[i][p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
+    }
+  }
+  CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
+    uint32_t pb[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      pb[i][0] = T::pack(pf[4 * i], pf[4 * i + 1]);
+      pb[i][1] = T::pack(pf[4 * i + 2], pf[4 * i + 3]);
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[4 * m]);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) mfma_16x16x16<T>(acc, kv.v[m][2 * i], kv.v[m][2 * i + 1], pb[i][0], pb[i][1]);
+    }
+  }
+  static constexpr int SMEM_BYTES = 0;
+};
+
+// v_mfma_f32_4x4x4_16b: 16 independent 4x4x4 blocks, lane l = 4 b + c in block b.
+// A_b[i = c][k], B_b[k][j = c], D_b[i = 0..3][j = c]. Each block takes 4 tokens, so a step
+// is 64 tokens with lane = token in QK; heads (GQA <= 4) in j. The QK result is the B
+// operand of P x V in place; each block then holds a partial output over its 4 tokens,
+// summed across blocks once per partition (finalize_o).
+template <class T, int HEAD, int BLOCK, bool FP8>
+struct Mfma4Tiles {
+  using KV_ = PagedKV<HEAD, BLOCK, FP8>;
+  static constexpr int TOKENS = 64;
+  static constexpr int HEADS_CAP = 4;
+  static constexpr int X = KV_::X;
+  static constexpr int KR = X / 2;
+  static constexpr int KL = HEAD / X;  // key loads per token
+  static constexpr int MG = HEAD / 4;  // 4-row head-dim groups in P x V
+  static constexpr int NS = 4;
+  static constexpr int NO = MG * 4;
+  static constexpr int LH = 1;
+
+  struct Q { uint32_t r[KL][KR]; };
+  struct KV { uint32_t k[KL][KR]; uint32_t v[MG][2]; };
+
+  CPA_DEVICE static int b_() { return lane_id() >> 2; }
+  CPA_DEVICE static int c_() { return lane_id() & 3; }
+
+  CPA_DEVICE static void load_q(Q& q, const uint16_t* qg, int gqa, void*) {
+    const int h = c_();
+#pragma unroll
+    for (int p = 0; p < KL; ++p)
+#pragma unroll
+      for (int c = 0; c < KR; c += 4) {
+        u32x4 w = {0u, 0u, 0u, 0u};
+        if (h < gqa) w = load16(qg + h * HEAD + p * X + 2 * c);
+        q.r[p][c] = w.x; q.r[p][c + 1] = w.y; q.r[p][c + 2] = w.z; q.r[p][c + 3] = w.w;
+      }
+  }
+  CPA_DEVICE static int s_token(int e) { return 4 * b_() + e; }
+  CPA_DEVICE static constexpr int s_lhead(int) { return 0; }
+  CPA_DEVICE static constexpr int o_lhead(int) { return 0; }
+  CPA_DEVICE static int lhead(int) { return c_(); }
+  CPA_DEVICE static void o_coord(int e, int& h, int& d) { h = c_(); d = e; }  // e = 4 m + r
+  CPA_DEVICE static bool writer() { return b_() == 0; }
+  CPA_DEVICE static bool lh_writer() { return b_() == 0; }
+  CPA_DEVICE static float reduce_max(float x) {
+#pragma unroll
+    for (int m = 4; m < 64; m <<= 1) x = fmaxf_(x, shfl_xor(x, m));
+    return x;
+  }
+  CPA_DEVICE static float reduce_sum(float x) {
+#pragma unroll
+    for (int m = 4; m < 64; m <<= 1) x += shfl_xor(x, m);
+    return x;
+  }
+  CPA_DEVICE static void finalize_o(float (&o)[NO]) {
+#pragma unroll
+    for (int e = 0; e < NO; ++e) o[e] = reduce_sum(o[e]);
+  }
+  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+    const int ktok = tok0 + lane_id();
+    const int64_t kb = c.block_offset(ktok);
+#pragma unroll
+    for (int p = 0; p < KL; ++p) load_chunk<T, FP8>(kv.k[p], c.k_ptr(kb, ktok, p * X));
+    const int vtok = tok0 + 4 * b_();
+    const int64_t vb = c.block_offset(vtok);
+#pragma unroll
+    for (int m = 0; m < MG; ++m) load4_elems<T, FP8>(kv.v[m], c.v_ptr(vb, 4 * m + c_(), vtok));
+    if (partial) {
+#pragma unroll
+      for (int m = 0; m < MG; ++m)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) kv.v[m][u] = mask_pair(kv.v[m][u], vtok + 2 * u, c.seq_len);
+    }
+  }
+  CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
+#pragma unroll
+    for (int e = 0; e < NS; ++e) s[e] = 0.f;
+#pragma unroll
+    for (int p = 0; p < KL; ++p)
+#pragma unroll
+      for (int j = 0; j < KR / 2; ++j) mfma_4x4x4_16b<T>(s, kv.k[p][2 * j], kv.k[p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
+  }
+  CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
+    const uint32_t b0 = T::pack(pf[0], pf[1]), b1 = T::pack(pf[2], pf[3]);
+#pragma unroll
+    for (int m = 0; m < MG; ++m) {
+      float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[4 * m]);
+      mfma_4x4x4_16b<T>(acc, kv.v[m][0], kv.v[m][1], b0, b1);
+    }
+  }
+  static constexpr int SMEM_BYTES = 0;
+};
+#endif  // CPA_HIP
+
+// ============================================================== portable: no matrix cores
+// QK with lane = token (the full head row of K per lane, q broadcast from shared memory);
+// P goes through shared memory; P x V with lane = head dims d = lane + WAVE j, eight
+// tokens per 16-byte V load. Every lane holds every head of the group.
+template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NUM_WAVES>
+struct ScalarTiles {
+  using KV_ = PagedKV<HEAD, BLOCK, FP8>;
+  static constexpr int TOKENS = kWave;
+  static constexpr int HEADS_CAP = CAP;
+  static constexpr int X = KV_::X;
+  static constexpr int KL = HEAD / X;      // 16-byte key loads per token
+  static constexpr int DJ = HEAD / kWave;  // head dims per lane in P x V
+  static constexpr int VL = kWave / 8;     // 8-token V loads per row per step
+  static constexpr int NS = CAP;
+  static constexpr int NO = CAP * DJ;
+  static constexpr int LH = CAP;
+  static_assert(HEAD % kWave == 0, "head size must be a multiple of the wave size");
+  // shared memory: q as fp32 [CAP][HEAD], then P as fp32 [NUM_WAVES][CAP][TOKENS]
+  static constexpr int SMEM_BYTES = (CAP * HEAD + NUM_WAVES * CAP * kWave) * 4;
+
+  struct Q { int gqa; };
+  struct KV { uint32_t k[KL][X / 2]; uint32_t v[DJ][VL][4]; };
+
+  CPA_DEVICE static void load_q(Q& q, const uint16_t* qg, int gqa, void* smem) {
+    float* qs = reinterpret_cast<float*>(smem);
+    for (int i = thread_idx(); i < CAP * HEAD; i += NUM_WAVES * kWave)
+      qs[i] = (i / HEAD) < gqa ? T::to_float(qg[i]) : 0.f;
+    q.gqa = gqa;
+    barrier();
+  }
+  CPA_DEVICE static int s_token(int) { return lane_id(); }
+  CPA_DEVICE static constexpr int s_lhead(int e) { return e; }
+  CPA_DEVICE static constexpr int o_lhead(int e) { return e / DJ; }
+  CPA_DEVICE static int lhead(int lh) { return lh; }
+  CPA_DEVICE static void o_coord(int e, int& h, int& d) { h = e / DJ; d = lane_id() + kWave * (e % DJ); }
+  CPA_DEVICE static bool writer() { return true; }
+  CPA_DEVICE static bool lh_writer() { return lane_id() == 0; }
+  CPA_DEVICE static float reduce_max(float x) {
+#pragma unroll
+    for (int m = 1; m < kWave; m <<= 1) x = fmaxf_(x, shfl_xor(x, m));
+    return x;
+  }
+  CPA_DEVICE static float reduce_sum(float x) {
+#pragma unroll
+    for (int m = 1; m < kWave; m <<= 1) x += shfl_xor(x, m);
+    return x;
+  }
+  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
+
+  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+    const int ktok = tok0 + lane_id();
+    const int64_t kb = c.block_offset(ktok);
+#pragma unroll
+    for (int p = 0; p < KL; ++p) load_chunk<T, FP8>(kv.k[p], c.k_ptr(kb, ktok, p * X));
+#pragma unroll
+    for (int u = 0; u < VL; ++u) {
+      const int vtok = tok0 + 8 * u;
+      const int64_t vb = c.block_offset(vtok);
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) load8_elems<T, FP8>(kv.v[j][u], c.v_ptr(vb, lane_id() + kWave * j, vtok));
+      if (partial) {
+#pragma unroll
+        for (int j = 0; j < DJ; ++j)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) kv.v[j][u][w] = mask_pair(kv.v[j][u][w], vtok + 2 * w, c.seq_len);
+      }
+    }
+  }
+  CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void* smem) {
+    const float* qs = reinterpret_cast<const float*>(smem);
+#pragma unroll
+    for (int h = 0; h < CAP; ++h) s[h] = 0.f;
+#pragma unroll
+    for (int p = 0; p < KL; ++p) {
+      float kf[X];
+#pragma unroll
+      for (int r = 0; r < X / 2; ++r) { kf[2 * r] = lo_f<T>(kv.k[p][r]); kf[2 * r + 1] = hi_f<T>(kv.k[p][r]); }
+#pragma unroll
+      for (int h = 0; h < CAP; ++h) {
+        if (h < q.gqa) {
+          const float* qh = qs + h * HEAD + p * X;
+#pragma unroll
+          for (int r = 0; r < X; ++r) s[h] += qh[r] * kf[r];
+        }
+      }
+    }
+  }
+  CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void* smem) {
+    // this wave's P tile [CAP][TOKENS]: lane = token writes, every lane reads all tokens
+    float* ps = reinterpret_cast<float*>(smem) + CAP * HEAD + wave_id() * CAP * kWave;
+#pragma unroll
+    for (int h = 0; h < CAP; ++h) ps[h * kWave + lane_id()] = pf[h];
+    wave_sync();
+#pragma unroll
+    for (int j = 0; j < DJ; ++j)
+#pragma unroll
+      for (int u = 0; u < VL; ++u) {
+        float vf[8];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { vf[2 * r] = lo_f<T>(kv.v[j][u][r]); vf[2 * r + 1] = hi_f<T>(kv.v[j][u][r]); }
+#pragma unroll
+        for (int h = 0; h < CAP; ++h) {
+          const float* ph = ps + h * kWave + 8 * u;
+          float acc = o[h * DJ + j];
+#pragma unroll
+          for (int r = 0; r < 8; ++r) acc += ph[r] * vf[r];
+          o[h * DJ + j] = acc;
+        }
+      }
+    wave_sync();
+  }
+};
+
+// ---------------------------------------------------------------- tiling selection
+template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int CAP, int NUM_WAVES>
+struct TilingFor;
+
+#if CPA_CUDA
+template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
+struct TilingFor<TilingMfma16, T, HEAD, BLOCK, FP8, CAP, NW> {
+  static_assert(CAP == 8 || CAP == 16, "mma tilings hold 8 or 16 heads");
+  using type = MmaTiles<T, HEAD, BLOCK, FP8, CAP / 8, false>;
+};
+template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
+struct TilingFor<TilingMfma4, T, HEAD, BLOCK, FP8, CAP, NW> {
+  static_assert(CAP == 8 || CAP == 16, "mma tilings hold 8 or 16 heads");
+  using type = MmaTiles<T, HEAD, BLOCK, FP8, CAP / 8, true>;
+};
+#else
+template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
+struct TilingFor<TilingMfma16, T, HEAD, BLOCK, FP8, CAP, NW> {
+  static_assert(CAP == 16, "mfma16 holds 16 heads");
+  using type = Mfma16Tiles<T, HEAD, BLOCK, FP8>;
+};
+template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
+struct TilingFor<TilingMfma4, T, HEAD, BLOCK, FP8, CAP, NW> {
+  static_assert(CAP == 4, "mfma4 holds 4 heads");
+  using type = Mfma4Tiles<T, HEAD, BLOCK, FP8>;
+};
+#endif
+template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
+struct TilingFor<TilingScalar, T, HEAD, BLOCK, FP8, CAP, NW> {
+  using type = ScalarTiles<T, HEAD, BLOCK, FP8, CAP, NW>;
+};
+
+}  // namespace cpa

@@ -1,0 +1,141 @@
+"""`cpa.paged_attention`: the CPA kernel behind vLLM's ROCm paged_attention contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import variants as V
+from .build import BuiltKernel, build, device_arch
+from .validation import PagedAttentionShape, validate_paged_attention_args
+
+LOG2E = 1.4426950408889634
+FP8_DECODE_FACTOR = 256.0  # the kernel decodes e4m3 bytes to value / 256 (platform.h)
+
+
+def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_size: int | None,
+                   platform: str, arch: str) -> V.Variant:
+    """The variant for a validated call; None picks the per-device default of cpa.variants."""
+    if tiling is None or partition_size is None:
+        d_tiling, d_partition, _ = V.default_choice(arch, shape.gqa_ratio)
+        tiling = tiling or d_tiling
+        partition_size = partition_size or d_partition
+    return V.variant_for(tiling=tiling, partition_size=partition_size, head_size=shape.head_size,
+                         block_size=shape.block_size, dtype=shape.query_dtype, kv_cache_dtype=shape.kv_cache_dtype,
+                         gqa_ratio=shape.gqa_ratio, platform=platform)
+
+
+@dataclass
+class Launch:
+    """Everything one call needs, resolved once: benchmarks replay `attention()`/`reduce()`."""
+
+    kernel: BuiltKernel
+    shape: PagedAttentionShape
+    out: torch.Tensor
+    exp_sums: torch.Tensor
+    max_logits: torch.Tensor
+    tmp_out: torch.Tensor | None
+    attn_args: tuple
+    reduce_args: tuple | None
+
+    @property
+    def num_partitions(self) -> int:
+        return self.shape.max_num_partitions
+
+    def attention(self) -> None:
+        stream = torch.cuda.current_stream(self.out.device).cuda_stream
+        self.kernel.check(self.kernel.attention(*self.attn_args, stream), "attention")
+
+    def reduce(self) -> None:
+        if self.reduce_args is None:
+            return
+        stream = torch.cuda.current_stream(self.out.device).cuda_stream
+        self.kernel.check(self.kernel.reduce(*self.reduce_args, stream), "reduce")
+
+    def __call__(self) -> torch.Tensor:
+        self.attention()
+        self.reduce()
+        return self.out
+
+
+def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
+            alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
+            return_intermediates=False, max_seq_len=None, check_values=True) -> Launch:
+    """Validate, pick and build the variant, allocate buffers; launch nothing."""
+    if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
+        raise ValueError(f"query must be a GPU tensor for the CPA kernel (got "
+                         f"{getattr(query, 'device', type(query).__name__)}); use cpa.reference on the CPU")
+    shape = validate_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        partition_size=partition_size, out=out, check_values=check_values, max_seq_len=max_seq_len, head_sizes=V.HEAD_SIZES,
+        block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16))
+    platform, arch = device_arch(query.device)
+    variant = select_variant(shape, tiling=tiling, partition_size=partition_size, platform=platform, arch=arch)
+    if shape.max_seq_len is None:
+        raise ValueError("max_seq_len must be given when check_values=False")
+    num_partitions = -(-shape.max_seq_len // variant.partition_size)
+    if num_partitions > 65535:
+        raise ValueError(f"max_seq_len={shape.max_seq_len} needs {num_partitions} partitions of "
+                         f"{variant.partition_size} tokens; the grid allows at most 65535")
+    shape = dataclasses.replace(shape, partition_size=variant.partition_size, max_num_partitions=num_partitions)
+    kernel = build(variant, query.device)
+
+    S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
+    dev = query.device
+    if out is None:
+        out = torch.empty_like(query)
+    exp_sums = torch.empty(S, H, num_partitions, dtype=torch.float32, device=dev)
+    max_logits = torch.empty_like(exp_sums)
+    need_tmp = num_partitions > 1 or return_intermediates
+    tmp_out = torch.empty(S, H, num_partitions, D, dtype=torch.float32, device=dev) if need_tmp else None
+
+    fp8 = shape.kv_cache_dtype == "fp8"
+    scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
+    out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
+    kv_elem = key_cache.element_size()
+    kv_head_stride = D * shape.block_size * kv_elem
+    kv_block_stride = shape.num_kv_heads * kv_head_stride
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    attn_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(query), ptr(key_cache),
+                 ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(alibi_slopes),
+                 S, H, shape.num_kv_heads, shape.max_blocks_per_seq, num_partitions,
+                 kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1))
+    reduce_args = None
+    if num_partitions > 1:
+        reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)
+    # keep the tensors the raw pointers point into alive for as long as the Launch
+    launch = Launch(kernel, shape, out, exp_sums, max_logits, tmp_out, attn_args, reduce_args)
+    launch._inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    return launch
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None,
+                    tiling=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
+                    return_intermediates=False, max_seq_len=None, check_values=True):
+    """Paged attention decode with the CPA kernel (vLLM ROCm paged_attention contract).
+
+    query [num_seqs, num_heads, head_size] fp16/bf16; key_cache [num_blocks, num_kv_heads,
+    head_size // x, block_size, x]; value_cache [num_blocks, num_kv_heads, head_size,
+    block_size]; block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens [num_seqs]
+    int32. `partition_size` / `tiling` None pick the device default (cpa.variants.DEFAULTS).
+    Launches the attention kernel and, when a sequence spans several partitions, the reduce
+    kernel, on the current stream. With return_intermediates, also returns exp_sums,
+    max_logits [num_seqs, num_heads, partitions] and tmp_out [..., head_size] (fp32; entries
+    of partitions past a sequence's end are not written).
+    """
+    launch = prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size=partition_size,
+                     tiling=tiling, alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                     v_scale=v_scale, out=out, return_intermediates=return_intermediates, max_seq_len=max_seq_len,
+                     check_values=check_values)
+    launch()
+    if return_intermediates:
+        return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out
+    return launch.out
+
+
+def max_num_partitions(max_seq_len: int, partition_size: int) -> int:
+    return math.ceil(max_seq_len / partition_size)

@@ -1,0 +1,78 @@
+"""Where a measurement came from: GPU, driver, torch, git commit, date, command."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@lru_cache(maxsize=None)
+def git_commit() -> str:
+    """The commit the code came from. CPA_GIT_COMMIT wins (the device copy has no .git)."""
+    env = os.environ.get("CPA_GIT_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10)
+        commit = out.stdout.strip()
+        if not commit:
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+@lru_cache(maxsize=None)
+def driver_version() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        out = subprocess.run(["rocm-smi", "--showdriverversion"], capture_output=True, text=True, timeout=20)
+        for line in out.stdout.splitlines():
+            if "version" in line.lower():
+                return line.split(":")[-1].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "unknown"
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def command() -> str:
+    return os.environ.get("CPA_COMMAND") or " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def provenance() -> dict[str, str]:
+    import torch
+
+    return {
+        "device_name": device_name(),
+        "driver_version": driver_version(),
+        "torch_version": torch.__version__,
+        "git_commit": git_commit(),
+        "timestamp": now(),
+        "command": command(),
+    }

@@ -1,0 +1,42 @@
+"""A small, fast kernel-vs-reference check, meant to run under compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python -m cpa.selfcheck --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true", help="the sanitizer subset (few variants, short contexts)")
+    args = ap.parse_args(argv)
+    import cpa
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    cases = [(t, p, dt, kv, g) for t in cpa.variants.TILINGS for p in (64, 256) for dt, kv in
+             (("fp16", "auto"), ("bf16", "fp8")) for g in ((8,) if args.small else (1, 8, 16))]
+    lens = [1, 17, 63, 64, 65, 300] if args.small else [1, 17, 255, 256, 257, 4093]
+    failed = 0
+    for t, p, dt, kv, g in cases:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
+        inp = make_paged_inputs(len(lens), 2 * g, 2, 128, 16, lens, dtype=dtype, kv_cache_dtype=kv, device="cuda",
+                                seed=p + g)
+        out = cpa.paged_attention(**inp.as_kwargs(), tiling=t, partition_size=p)
+        ref = reference.paged_attention(**inp.as_kwargs())
+        err = reference.relative_error(out, ref, per_seq=True)
+        ok = err <= reference.REL_ERR_TOL[dtype]
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {t:7s} p{p:<5d} {dt} kv{kv:5s} gqa{g:<3d} rel_err {err:.2e}")
+    torch.cuda.synchronize()
+    print(f"{len(cases) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

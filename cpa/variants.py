@@ -1,0 +1,222 @@
+"""The kernel's compile-time variants, their constraints, and the per-device defaults.
+
+A variant is one instantiation of ``cpa/csrc``: tiling x partition size x head size x block
+size x query dtype x KV-cache dtype x heads-per-tile capacity, for one platform (``cuda`` or
+``hip``). Every constraint lives here so that an invalid combination raises before any
+compiler runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator
+
+TILINGS = ("mfma16", "mfma4", "scalar")
+PARTITION_SIZES = (64, 128, 256, 512, 1024)
+HEAD_SIZES = (64, 128, 256)
+BLOCK_SIZES = (16, 32)
+DTYPES = ("fp16", "bf16")
+KV_CACHE_DTYPES = ("auto", "fp8")
+PLATFORMS = ("cuda", "hip")
+MAX_GQA = 16
+
+
+@dataclass(frozen=True)
+class TilingInfo:
+    """How a tiling maps onto one platform's matrix cores."""
+
+    tokens_per_step: int  # context tokens one wave handles per step
+    heads_caps: tuple[int, ...]  # query heads per KV head a compiled variant can hold
+    instruction: str | None  # the matrix-core instruction (None: plain FMAs)
+    isa_pattern: str | None  # regex its mnemonic has in the ISA (gfx) or PTX (sm)
+    note: str
+
+
+TILING_INFO: dict[tuple[str, str], TilingInfo] = {
+    ("mfma16", "hip"): TilingInfo(
+        32, (16,), "v_mfma_f32_16x16x16_{f16,bf16}", r"v_mfma_f32_16x16x16_?(f16|bf16)",
+        "16x16x16 MFMA: tokens x 16 query heads; the QK result is P's B operand in place"),
+    ("mfma4", "hip"): TilingInfo(
+        64, (4,), "v_mfma_f32_4x4x4_16b_{f16,bf16}", r"v_mfma_f32_4x4x4_?16b_(f16|bf16)",
+        "4x4x4 16-block MFMA: 16 blocks of 4 tokens x 4 query heads (GQA <= 4)"),
+    ("scalar", "hip"): TilingInfo(
+        64, (1, 2, 4, 8, 16), None, None, "no matrix cores: lane = token for QK, lane = head dim for PV"),
+    ("mfma16", "cuda"): TilingInfo(
+        32, (8, 16), "mma.sync.m16n8k16", r"mma\.sync\.aligned\.m16n8k16",
+        "m16n8k16: 16 tokens x 8 query heads per tile (two n-tiles for GQA 9-16); movmatrix turns S into P's B operand"),
+    ("mfma4", "cuda"): TilingInfo(
+        32, (8, 16), "mma.sync.m16n8k8", r"mma\.sync\.aligned\.m16n8k8",
+        "m16n8k8: the same data movement with the half-depth instruction; n = 8 is the smallest n of fp16 mma.sync, "
+        "so the small-GQA move left on NVIDIA is a shallower k"),
+    ("scalar", "cuda"): TilingInfo(
+        32, (1, 2, 4, 8, 16), None, None, "no matrix cores: lane = token for QK, lane = head dim for PV"),
+}
+
+WAVE_SIZE = {"cuda": 32, "hip": 64}
+
+
+def _choices(name: str, value, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+def platform_of_arch(arch: str) -> str:
+    if arch.startswith("gfx"):
+        return "hip"
+    if arch.startswith("sm_"):
+        return "cuda"
+    raise ValueError(f"arch={arch!r}: expected 'gfx...' (AMD) or 'sm_XX' (NVIDIA)")
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    tiling: str
+    partition_size: int
+    head_size: int
+    block_size: int
+    dtype: str  # query / output dtype: fp16 or bf16
+    kv_cache_dtype: str  # auto (same as query) or fp8 (e4m3fn bytes)
+    heads_cap: int  # query heads per KV head this instantiation holds
+    platform: str  # cuda or hip
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---------------------------------------------------------------- constraints
+    def validate(self) -> None:
+        _choices("platform", self.platform, PLATFORMS)
+        _choices("tiling", self.tiling, TILINGS)
+        _choices("partition_size", self.partition_size, PARTITION_SIZES)
+        _choices("head_size", self.head_size, HEAD_SIZES)
+        _choices("block_size", self.block_size, BLOCK_SIZES)
+        _choices("dtype", self.dtype, DTYPES)
+        _choices("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        info = self.info
+        if self.heads_cap not in info.heads_caps:
+            raise ValueError(
+                f"heads_cap={self.heads_cap} is not supported by tiling {self.tiling!r} on {self.platform}; "
+                f"allowed: {info.heads_caps}")
+        if self.partition_size % info.tokens_per_step:
+            raise ValueError(
+                f"partition_size={self.partition_size} is not a multiple of the {info.tokens_per_step} tokens "
+                f"one wave of tiling {self.tiling!r} handles per step on {self.platform}")
+        if self.partition_size % self.block_size:
+            raise ValueError(f"partition_size={self.partition_size} is not a multiple of block_size={self.block_size}")
+        if self.tiling == "scalar" and self.head_size % WAVE_SIZE[self.platform]:
+            raise ValueError(f"tiling 'scalar' needs head_size a multiple of the wave size {WAVE_SIZE[self.platform]}")
+
+    @property
+    def info(self) -> TilingInfo:
+        return TILING_INFO[(self.tiling, self.platform)]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.info.tokens_per_step
+
+    @property
+    def name(self) -> str:
+        return (f"{self.tiling}-p{self.partition_size}-h{self.head_size}-b{self.block_size}-{self.dtype}-"
+                f"kv{self.kv_cache_dtype}-g{self.heads_cap}-{self.platform}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    # ---------------------------------------------------------------- C++ spelling
+    def cpp_config(self) -> str:
+        tag = {"mfma16": "cpa::TilingMfma16", "mfma4": "cpa::TilingMfma4", "scalar": "cpa::TilingScalar"}[self.tiling]
+        dt = {"fp16": "cpa::F16", "bf16": "cpa::BF16"}[self.dtype]
+        fp8 = "true" if self.kv_cache_dtype == "fp8" else "false"
+        return f"{tag}, {dt}, {self.head_size}, {self.block_size}, {fp8}, {self.partition_size}, {self.heads_cap}"
+
+    def source(self) -> str:
+        """The translation unit that instantiates exactly this variant (with its C entry points)."""
+        return f'#include "launch.h"\nCPA_DEFINE_VARIANT("{self.name}", {self.cpp_config()})\n'
+
+    def kernel_instantiation_source(self) -> str:
+        """Kernels only (no host entry points): for compile-only analysis with clang or nvcc."""
+        return (
+            '#include "attention.h"\n'
+            f"template __global__ void cpa::paged_attention_kernel<cpa::AttnConfig<{self.cpp_config()}>>"
+            "(cpa::AttnParams);\n"
+            f"template __global__ void cpa::paged_attention_reduce_kernel<"
+            f"{ {'fp16': 'cpa::F16', 'bf16': 'cpa::BF16'}[self.dtype] }, {self.head_size}>(cpa::ReduceParams);\n"
+        )
+
+
+def dtype_name(dtype) -> str:
+    """'fp16' / 'bf16' from a torch dtype or a string."""
+    s = str(dtype).replace("torch.", "")
+    table = {"float16": "fp16", "half": "fp16", "fp16": "fp16", "bfloat16": "bf16", "bf16": "bf16"}
+    if s not in table:
+        raise TypeError(f"query dtype {dtype} is not supported by the kernel; allowed: torch.float16, torch.bfloat16")
+    return table[s]
+
+
+def kv_name(kv_cache_dtype: str) -> str:
+    s = str(kv_cache_dtype).lower()
+    if s == "auto":
+        return "auto"
+    if s in ("fp8", "fp8_e4m3"):
+        return "fp8"
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; allowed: 'auto', 'fp8', 'fp8_e4m3'")
+
+
+def heads_cap_for(tiling: str, platform: str, gqa_ratio: int) -> int:
+    """The smallest heads-per-tile capacity of `tiling` that holds `gqa_ratio` query heads."""
+    if not 1 <= gqa_ratio <= MAX_GQA:
+        raise ValueError(f"GQA ratio num_heads/num_kv_heads={gqa_ratio} is not supported; allowed: 1..{MAX_GQA}")
+    _choices("tiling", tiling, TILINGS)
+    _choices("platform", platform, PLATFORMS)
+    caps = TILING_INFO[(tiling, platform)].heads_caps
+    for cap in caps:
+        if cap >= gqa_ratio:
+            return cap
+    raise ValueError(
+        f"tiling {tiling!r} on {platform} holds at most {max(caps)} query heads per KV head, "
+        f"but the GQA ratio is {gqa_ratio}")
+
+
+def variant_for(*, tiling: str, partition_size: int, head_size: int, block_size: int, dtype, kv_cache_dtype: str,
+                gqa_ratio: int, platform: str) -> Variant:
+    return Variant(tiling=tiling, partition_size=int(partition_size), head_size=int(head_size),
+                   block_size=int(block_size), dtype=dtype_name(dtype), kv_cache_dtype=kv_name(kv_cache_dtype),
+                   heads_cap=heads_cap_for(tiling, platform, gqa_ratio), platform=platform)
+
+
+def all_variants(platform: str, *, tilings=TILINGS, partition_sizes=PARTITION_SIZES, head_sizes=HEAD_SIZES,
+                 block_sizes=BLOCK_SIZES, dtypes=DTYPES, kv_cache_dtypes=KV_CACHE_DTYPES,
+                 heads_caps=None) -> Iterator[Variant]:
+    """Every valid variant of the cross product (invalid combinations are skipped)."""
+    for t, p, h, b, d, kv in itertools.product(tilings, partition_sizes, head_sizes, block_sizes, dtypes,
+                                               kv_cache_dtypes):
+        for cap in TILING_INFO[(t, platform)].heads_caps:
+            if heads_caps is not None and cap not in heads_caps:
+                continue
+            try:
+                yield Variant(t, p, h, b, d, kv, cap, platform)
+            except ValueError:
+                continue
+
+
+# ---------------------------------------------------------------- per-device defaults
+# One table: arch -> rules (max GQA ratio, tiling, partition size, where the choice comes from).
+# gfx942 / gfx90a follow upstream's ROCm design (vLLM csrc/rocm/attention.cu: 256 tokens per
+# partition; 4x4x4 MFMA for GQA 1-4, 16x16x16 for larger groups); it is compiled here, not
+# measured. sm_90 is what cpa's own H200 benchmark measured (data/bench/h200-kernel.csv).
+DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
+    "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
+    "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
+    "sm_90": [(16, "mfma16", 256, "provisional: not yet measured")],
+}
+FALLBACK_DEFAULT = (16, "mfma16", 256, "no entry for this arch: mfma16 / 256")
+
+
+def default_choice(arch: str, gqa_ratio: int) -> tuple[str, int, str]:
+    """(tiling, partition_size, source) for a device arch and GQA ratio."""
+    rules = DEFAULTS.get(arch, [FALLBACK_DEFAULT])
+    for max_gqa, tiling, partition_size, source in rules:
+        if gqa_ratio <= max_gqa:
+            return tiling, partition_size, source
+    raise ValueError(f"GQA ratio {gqa_ratio} exceeds every default rule for arch {arch!r}")

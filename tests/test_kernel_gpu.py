@@ -1,0 +1,172 @@
+"""The CPA kernel against cpa.reference on the GPU: output and intermediates, fresh random
+inputs, poisoned outputs, NaN in every cache slot no sequence uses.
+
+Matrix (issue 3): the full cross product tiling x partition size x {fp16, bf16} x {auto, fp8}
+at head 128, block 16, GQA 8; every other axis value (head 64 and 256, block 32, GQA 1, 4,
+16, ALiBi) with every tiling at partition 256 and 512. Each case runs two batches: the
+edge lengths {1, 17, P-1, P, P+1, 4093, 32768} and a long-tailed mix.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from cpa import variants as V
+
+pytestmark = pytest.mark.gpu
+
+BASE = dict(head_size=128, block_size=16, gqa=8, alibi=False)
+AXES = [dict(head_size=64), dict(head_size=256), dict(block_size=32), dict(gqa=1), dict(gqa=4), dict(gqa=16),
+        dict(alibi=True)]
+
+
+def _cases():
+    cases = []
+    for t in V.TILINGS:
+        for p in V.PARTITION_SIZES:
+            for dt in V.DTYPES:
+                for kv in V.KV_CACHE_DTYPES:
+                    cases.append(dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv))
+    for t in V.TILINGS:
+        for p in (256, 512):
+            for i, ax in enumerate(AXES):
+                # alternate dtypes / caches over the axis cases so each axis meets both
+                dt = V.DTYPES[i % 2]
+                kv = V.KV_CACHE_DTYPES[(i // 2) % 2]
+                cases.append(dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv, **ax))
+    return cases
+
+
+CASES = _cases()
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def case_id(c):
+    return (f"{c['tiling']}-p{c['partition_size']}-{c['dtype']}-{c['kv']}-h{c['head_size']}-b{c['block_size']}"
+            f"-g{c['gqa']}{'-alibi' if c['alibi'] else ''}")
+
+
+def edge_lengths(p: int) -> list[int]:
+    return [1, 17, p - 1, p, p + 1, 4093, 32768]
+
+
+def mixed_lengths(seed: int, n: int = 8) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    # long-tailed, as decode traffic: log-normal around ~600 tokens, capped at 20k
+    x = torch.empty(n).log_normal_(mean=6.4, std=1.2, generator=g)
+    return [int(min(max(v, 1), 20000)) for v in x.tolist()]
+
+
+def _variant_or_skip(c, platform):
+    try:
+        return V.variant_for(tiling=c["tiling"], partition_size=c["partition_size"], head_size=c["head_size"],
+                             block_size=c["block_size"], dtype=c["dtype"], kv_cache_dtype=c["kv"],
+                             gqa_ratio=c["gqa"], platform=platform)
+    except ValueError as e:
+        pytest.skip(f"not a variant on {platform}: {e}")
+
+
+def check_against_reference(c, seq_lens, seed):
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.build import device_arch
+    from cpa.inputs import make_paged_inputs
+
+    platform, _ = device_arch()
+    _variant_or_skip(c, platform)
+    num_kv_heads = 2
+    inp = make_paged_inputs(len(seq_lens), c["gqa"] * num_kv_heads, num_kv_heads, c["head_size"], c["block_size"],
+                            seq_lens, dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"], seed=seed,
+                            device="cuda", alibi=c["alibi"])
+    kw = inp.as_kwargs()
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**kw, partition_size=c["partition_size"], tiling=c["tiling"], out=out,
+                         return_intermediates=True)
+    for t in (launch.exp_sums, launch.max_logits, launch.tmp_out):
+        t.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+
+    ref_out, ref_es, ref_ml, ref_tmp = reference.paged_attention(**kw, partition_size=c["partition_size"],
+                                                                 return_intermediates=True)
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    tol = reference.REL_ERR_TOL[inp.query.dtype]
+    err = reference.relative_error(out, ref_out, per_seq=True)
+    assert err <= tol, f"output relative error {err:.3g} > {tol:g}"
+
+    # intermediates: only the partitions each sequence has are defined
+    P = c["partition_size"]
+    parts = torch.tensor([math.ceil(s / P) for s in seq_lens], device="cuda")
+    valid = torch.arange(launch.num_partitions, device="cuda")[None, :] < parts[:, None]  # [seqs, parts]
+    valid = valid[:, None, :].expand_as(launch.max_logits)
+    ml, es = launch.max_logits[valid], launch.exp_sums[valid]
+    assert not torch.isnan(ml).any() and not torch.isnan(es).any(), "unwritten max_logits / exp_sums"
+    torch.testing.assert_close(ml, ref_ml[valid], rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(es, ref_es[valid], rtol=2e-3, atol=1e-4)
+    tmp = launch.tmp_out[valid]
+    assert not torch.isnan(tmp).any(), "unwritten tmp_out"
+    terr = reference.relative_error(tmp, ref_tmp[valid], per_seq=True)
+    assert terr <= tol, f"tmp_out relative error {terr:.3g} > {tol:g}"
+
+
+@pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
+def test_edge_lengths(c):
+    check_against_reference(c, edge_lengths(c["partition_size"]), seed=zlib.crc32(case_id(c).encode()) % 10_000)
+
+
+@pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
+def test_mixed_lengths(c):
+    seed = (zlib.crc32(case_id(c).encode()) + 1) % 10_000
+    check_against_reference(c, mixed_lengths(seed), seed=seed)
+
+
+def test_single_partition_skips_reduce():
+    """max_seq_len <= partition: one kernel, `out` written directly, no tmp_out."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(4, 16, 2, 128, 16, [5, 100, 200, 256], dtype=torch.float16, device="cuda", seed=3)
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", out=out)
+    assert launch.num_partitions == 1 and launch.reduce_args is None and launch.tmp_out is None
+    launch()
+    ref = reference.paged_attention(**inp.as_kwargs())
+    assert reference.relative_error(out, ref, per_seq=True) <= reference.REL_ERR_TOL[torch.float16]
+
+
+def test_default_variant_and_128k_context():
+    """Defaults from cpa.variants; a 128k-token context at the smallest partition size."""
+    import cpa
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(1, 8, 1, 128, 16, [131072], dtype=torch.bfloat16, device="cuda", seed=5)
+    ref = reference.paged_attention(**inp.as_kwargs())
+    for kw in ({}, {"partition_size": 64, "tiling": "mfma16"}):
+        out = cpa.paged_attention(**inp.as_kwargs(), **kw)
+        assert reference.relative_error(out, ref) <= reference.REL_ERR_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=2048), dict(partition_size=96),
+                                 dict(tiling="mfma32")])
+def test_unsupported_variant_refused_before_launch(bad):
+    import cpa
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(2, 8, 1, 128, 16, [40, 300], dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError):
+        cpa.paged_attention(**inp.as_kwargs(), **{"tiling": "mfma16", **bad})
+
+
+def test_unsupported_head_size_refused():
+    import cpa
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(1, 8, 1, 80, 16, [40], dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="head"):
+        cpa.paged_attention(**inp.as_kwargs())
