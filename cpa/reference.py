@@ -68,6 +68,24 @@ def dequantize_cache(cache: torch.Tensor, kv_cache_dtype: str, scale: float, dty
     return cache.to(dtype) * scale
 
 
+_cpu_exp_warmed = False
+
+
+def _warm_cpu_exp() -> None:
+    """Call torch.exp once per process (float32 and float64, big enough to run in parallel).
+
+    Seen with torch 2.13.0 (CPU build) on a 2-core x86-64 VM: in roughly one process in four,
+    the *first* parallel ``torch.exp`` returned values with relative errors up to ~1.5e-4 in
+    the chunk computed by the calling thread, while every later call was correct to an ulp.
+    A throw-away first call keeps that out of reference results.
+    """
+    global _cpu_exp_warmed
+    if not _cpu_exp_warmed:
+        for dt in (torch.float32, torch.float64):
+            torch.exp(torch.zeros(1 << 17, dtype=dt))
+        _cpu_exp_warmed = True
+
+
 @contextlib.contextmanager
 def _ieee_fp32_matmul(device: torch.device) -> Iterator[None]:
     """Keep float32 matmuls in full precision (no TF32) on CUDA for the duration."""
@@ -178,6 +196,8 @@ def paged_attention(
         max_logits = torch.full((S, H, NP), float("-inf"), dtype=torch.float32, device=dev)
         tmp_out = torch.zeros(S, H, NP, D, dtype=torch.float32, device=dev)
 
+    if dev.type == "cpu":
+        _warm_cpu_exp()
     lens = seq_lens.tolist()
     bt = block_tables.to(torch.int64)
     q_all = query.to(torch.float32).view(S, KVH, G, D)
@@ -262,6 +282,8 @@ def naive_paged_attention_fp64(inputs: Any) -> torch.Tensor:
     k_scale, v_scale = float(kw.get("k_scale", 1.0)), float(kw.get("v_scale", 1.0))
     slopes = kw.get("alibi_slopes")
 
+    if q.device.type == "cpu":
+        _warm_cpu_exp()
     S, H, D = q.shape
     KVH, BS = kc.shape[1], kc.shape[3]
     kv_of_head = torch.arange(H, device=q.device) // (H // KVH)

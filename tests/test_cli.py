@@ -1,0 +1,40 @@
+"""The ``cpa compare`` command and ``python -m cpa``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cpa.cli import app
+
+
+def test_compare_small():
+    args = ["compare", "--seq-lens", "40,300", "--partition-sizes", "none,16,64", "--num-heads", "8",
+            "--num-kv-heads", "2", "--head-size", "64", "--repeats", "1"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "REFERENCE" in out and "not a kernel" in out
+    for col in ("partition_size", "max_num_partitions", "time_ms", "max_rel_err"):
+        assert col in out
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0] in ("40", "300")]
+    assert len(rows) == 6
+    # seq_len, partition_size, max_num_partitions, time_ms, max_rel_err
+    assert [r[2] for r in rows] == ["1", "3", "1", "1", "19", "5"]
+    assert all(float(r[4]) < 1e-5 for r in rows)
+    assert float(rows[0][4]) == 0.0
+
+
+def test_compare_rejects_bad_dtype():
+    res = CliRunner().invoke(app, ["compare", "--dtype", "fp64"])
+    assert res.exit_code != 0
+
+
+def test_python_m_cpa_help():
+    res = subprocess.run([sys.executable, "-m", "cpa", "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr
+    assert "compare" in res.stdout
