@@ -1,0 +1,42 @@
+# cpa -- developer entry points:
+#   make test     create/refresh .venv, then run the test suite
+#   make report   create/refresh .venv, then print the report (for now: `cpa compare`)
+#
+# .venv reuses an existing torch when $(PYTHON) already has one (--system-site-packages);
+# otherwise it installs $(TORCH_PIN), the CPU build -- an unpinned `torch` would pull a
+# multi-GB CUDA build. The stamp file makes a repeated `make test` skip the install.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.cpa-installed
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: venv test report
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if [ ! -x "$(VPY)" ]; then \
+	  if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
+	    echo "venv: reusing the torch of $(PYTHON) (--system-site-packages)"; \
+	    $(PYTHON) -m venv --system-site-packages "$(VENV)"; \
+	  else \
+	    echo "venv: new venv, installing $(TORCH_PIN)"; \
+	    $(PYTHON) -m venv "$(VENV)"; \
+	  fi; \
+	fi
+	@if ! "$(VPY)" -c "import torch" >/dev/null 2>&1; then \
+	  "$(VPY)" -m pip install -q "$(TORCH_PIN)"; \
+	fi
+	"$(VPY)" -m pip install -q -e '.[test]'
+	@touch "$@"
+
+test: venv
+	@"$(VPY)" -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+report: venv
+	"$(VENV)/bin/cpa" compare
