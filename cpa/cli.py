@@ -103,3 +103,49 @@ def compare(
                 times.append((time.perf_counter() - t0) * 1e3)
             nparts = 1 if p is None else -(-L // p)
             typer.echo(f"{L:>8} {str(p):>14} {nparts:>18} {statistics.median(times):>10.2f} {err:>12.2e}")
+
+
+def _ints(text: Optional[str]) -> Optional[list[int]]:
+    return [int(t) for t in text.split(",") if t.strip()] if text else None
+
+
+def _strs(text: Optional[str]) -> Optional[list[str]]:
+    return [t.strip() for t in text.split(",") if t.strip()] if text else None
+
+
+@app.command()
+def bench(
+    out: str = typer.Option("data/bench/h200-kernel.csv", help="CSV to write (atomically)."),
+    batches: str = typer.Option("1,8,32,128", help="comma-separated batch sizes."),
+    contexts: str = typer.Option("512,2048,8192,32768", help="comma-separated context lengths."),
+    tilings: Optional[str] = typer.Option(None, help="comma-separated tilings (default: all)."),
+    partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes (default: all)."),
+    replays: int = typer.Option(30, help="graph replays per timing (median reported)."),
+    sdpa: bool = typer.Option(True, help="time torch SDPA (cuDNN, contiguous K/V) in the same run."),
+) -> None:
+    """Benchmark the CPA kernel at Llama-3.1-70B TP1 decode shapes (needs a GPU)."""
+    import pandas as pd
+
+    from . import bench as B
+
+    df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
+                     partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, out_csv=out)
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500):
+        cols = ["tiling", "partition_size", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
+                "reduce_time_us", "gbps", "frac_peak_bw", "verified"]
+        full = df[[c for c in cols if c in df]].copy()
+        print(full.round(3).to_string(index=False))
+        print()
+        print(B.summary_table(df).to_string(index=False))
+    print(f"\nwrote {out}")
+
+
+@app.command()
+def prebuild(
+    grid: str = typer.Option("tests", help="'tests' (every variant the GPU tests use) or 'bench'."),
+    jobs: Optional[int] = typer.Option(None, help="parallel compiler processes (default: all cores)."),
+) -> None:
+    """Compile variants for the visible GPU in parallel into the disk cache."""
+    from . import jobs as J
+
+    J.prebuild_main(grid, jobs)

@@ -1,0 +1,223 @@
+"""`cpa bench`: the CPA kernel at Llama-3.1-70B TP1 decode shapes, every tiling at every
+partition size, beside torch SDPA (cuDNN backend, contiguous K/V) in the same run.
+
+A benchmark, not a test: it prints a table and writes a CSV with provenance. Timing is CUDA-
+graph replay over rotating input sets (cpa.timing); bandwidth is K+V read once over the
+median time, and its fraction of the read ceiling measured at the start of the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+LLAMA70B = dict(num_heads=64, num_kv_heads=8, head_size=128, block_size=16)
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (512, 2048, 8192, 32768)
+POOL_BYTES = 1 << 30  # KV pool per shape: rotating sets cover >= 1 GiB, far past the 60 MB L2
+MAX_SETS = 16
+
+
+@dataclass
+class DeviceSets:
+    """Input sets for one shape on the GPU: one KV pool, disjoint block tables per set."""
+
+    key_cache: object
+    value_cache: object
+    queries: list
+    block_tables: list
+    seq_lens: object
+    scale: float
+    kv_bytes_per_set: int
+
+
+def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0) -> DeviceSets:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    elem = torch.finfo(dtype).bits // 8
+    x = 16 // elem
+    bps = math.ceil(seq_len / block_size)
+    need = num_seqs * bps
+    block_bytes = 2 * num_kv_heads * head_size * block_size * elem
+    pool = max(need, math.ceil(POOL_BYTES / block_bytes))
+    n_sets = max(1, min(MAX_SETS, pool // need))
+    kc = torch.randn(pool, num_kv_heads, head_size // x, block_size, x, device="cuda", dtype=dtype, generator=g)
+    vc = torch.randn(pool, num_kv_heads, head_size, block_size, device="cuda", dtype=dtype, generator=g)
+    perm = torch.randperm(pool, device="cuda", generator=g)
+    bts = [perm[i * need:(i + 1) * need].view(num_seqs, bps).to(torch.int32).contiguous() for i in range(n_sets)]
+    qs = [torch.randn(num_seqs, num_heads, head_size, device="cuda", dtype=dtype, generator=g) for _ in range(n_sets)]
+    seq_lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
+    kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_size * elem
+    return DeviceSets(kc, vc, qs, bts, seq_lens, 1.0 / math.sqrt(head_size), kv_bytes)
+
+
+def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
+    """K, V of set i as [num_seqs, num_kv_heads, seq_len, head_size] (what SDPA takes)."""
+    bt = sets.block_tables[i].long()
+    S, bps = bt.shape
+    kc, vc = sets.key_cache, sets.value_cache
+    _, kvh, dx, blk, x = kc.shape
+    k = kc[bt].permute(0, 2, 1, 4, 3, 5).reshape(S, kvh, bps * blk, dx * x)[:, :, :seq_len]
+    v = vc[bt].permute(0, 2, 1, 4, 3).reshape(S, kvh, bps * blk, dx * x)[:, :, :seq_len]
+    return k.contiguous(), v.contiguous()
+
+
+def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
+        replays=30, sdpa=True, out_csv=None, progress=True):
+    import pandas as pd
+    import torch
+
+    from . import ceilings, reference, variants as V
+    from .build import device_arch
+    from .ops import prepare
+    from .provenance import provenance
+    from .timing import time_graph
+
+    tilings = tuple(tilings or V.TILINGS)
+    partition_sizes = tuple(partition_sizes or V.PARTITION_SIZES)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    prov = provenance()
+    platform, arch = device_arch()
+    ceil = ceilings.measure()
+    read_gbps = ceil["read_gbps"]
+    print(f"# {prov['device_name']} ({arch}), driver {prov['driver_version']}, torch {prov['torch_version']}, "
+          f"commit {prov['git_commit']}")
+    print(f"# ceilings this run: read {read_gbps:.0f} GB/s ({ceil['read_method']}), copy {ceil['copy_gbps']:.0f} GB/s")
+    rows = []
+    shapes = [(b, c) for b in batches for c in contexts]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(shapes) * (len(tilings) * len(partition_sizes) + int(sdpa)), desc="bench", unit="run")
+    for b, ctx in shapes:
+        sets = make_sets(b, ctx, dtype=dtype, **LLAMA70B)
+        base = dict(num_seqs=b, max_seq_len=ctx, num_heads=LLAMA70B["num_heads"],
+                    num_kv_heads=LLAMA70B["num_kv_heads"], head_size=LLAMA70B["head_size"],
+                    block_size=LLAMA70B["block_size"], dtype=dtype_name, kv_cache_dtype="auto",
+                    n_sets=len(sets.queries), kv_bytes=sets.kv_bytes_per_set)
+        args0 = dict(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
+                     block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
+        ref = reference.paged_attention(**args0)
+        tol = reference.REL_ERR_TOL[dtype]
+        for tiling in tilings:
+            for P in partition_sizes:
+                row = dict(base, tiling=tiling, partition_size=P)
+                try:
+                    launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache,
+                                        block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale,
+                                        partition_size=P, tiling=tiling, max_seq_len=ctx, check_values=(i == 0))
+                                for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
+                except ValueError as e:  # not a variant of this platform
+                    row.update(error=str(e))
+                    rows.append(row)
+                    if bar:
+                        bar.update(1)
+                    continue
+                out0 = launches[0]()
+                torch.cuda.synchronize()
+                err = reference.relative_error(out0, ref, per_seq=True)
+                k = launches[0].kernel
+                t_all = time_graph([l.__call__ for l in launches], replays=replays)
+                t_attn = time_graph([l.attention for l in launches], replays=replays)
+                t_red = time_graph([l.reduce for l in launches], replays=replays) \
+                    if launches[0].reduce_args is not None else None
+                S, H, D, NP = b, LLAMA70B["num_heads"], LLAMA70B["head_size"], launches[0].num_partitions
+                partial_bytes = 0 if NP == 1 else 2 * S * H * NP * (D + 2) * 4
+                total_bytes = sets.kv_bytes_per_set + 2 * S * H * D * 2 + partial_bytes
+                row.update(t_all.as_dict(), attn_time_us=t_attn.median_us,
+                           reduce_time_us=t_red.median_us if t_red else 0.0, num_partitions=NP,
+                           bytes=total_bytes, gbps=sets.kv_bytes_per_set / (t_all.median_us * 1e-6) / 1e9,
+                           verified=bool(err <= tol), max_rel_err=err, build_from_cache=k.from_cache,
+                           build_seconds=k.build_seconds)
+                row["frac_peak_bw"] = row["gbps"] / read_gbps
+                rows.append(row)
+                del launches
+                if bar:
+                    bar.update(1)
+        if sdpa:
+            rows.append(_sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps))
+            if bar:
+                bar.update(1)
+        del sets, ref
+        torch.cuda.empty_cache()
+    if bar:
+        bar.close()
+    df = pd.DataFrame(rows)
+    for kk, vv in prov.items():
+        df[kk] = vv
+    df["read_gbps_ceiling"] = read_gbps
+    df["copy_gbps_ceiling"] = ceil["copy_gbps"]
+    df["arch"] = arch
+    if out_csv:
+        write_csv_atomic(df, out_csv)
+    return df, ceil
+
+
+def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import reference
+    from .timing import time_graph
+
+    row = dict(base, tiling="sdpa_cudnn", partition_size=0)
+    try:
+        kvs = [contiguous_kv(sets, i, ctx) for i in range(len(sets.queries))]
+        qs = [q.unsqueeze(2) for q in sets.queries]  # [S, H, 1, D]
+        outs = [None] * len(qs)
+
+        def call(i):
+            def f():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    outs[i] = F.scaled_dot_product_attention(qs[i], kvs[i][0], kvs[i][1], scale=sets.scale,
+                                                             enable_gqa=True)
+            return f
+
+        calls = [call(i) for i in range(len(qs))]
+        calls[0]()
+        torch.cuda.synchronize()
+        err = reference.relative_error(outs[0].squeeze(2), ref, per_seq=True)
+        t = time_graph(calls, replays=replays)
+        row.update(t.as_dict(), attn_time_us=t.median_us, reduce_time_us=0.0, num_partitions=1,
+                   bytes=sets.kv_bytes_per_set + 2 * qs[0].numel() * 2,
+                   gbps=sets.kv_bytes_per_set / (t.median_us * 1e-6) / 1e9, verified=bool(err <= tol),
+                   max_rel_err=err)
+        row["frac_peak_bw"] = row["gbps"] / read_gbps
+    except Exception as e:  # cuDNN missing or refusing the shape: say so in the table
+        row.update(error=f"{type(e).__name__}: {e}"[:300])
+    return row
+
+
+def write_csv_atomic(df, path) -> None:
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def summary_table(df):
+    """One line per shape: the best CPA variant, the fixed 256 choice, SDPA."""
+    import pandas as pd
+
+    ok = df[df.get("error").isna()] if "error" in df else df
+    lines = []
+    for (b, ctx), g in ok.groupby(["num_seqs", "max_seq_len"]):
+        cpa_rows = g[g.tiling != "sdpa_cudnn"]
+        sd = g[g.tiling == "sdpa_cudnn"]
+        best = cpa_rows.loc[cpa_rows.time_us.idxmin()]
+        p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
+        line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}",
+                    best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
+                    p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)
+        if len(sd):
+            s = sd.iloc[0]
+            line.update(sdpa_us=round(s.time_us, 1), sdpa_bw=f"{s.frac_peak_bw:.0%}",
+                        speedup_vs_sdpa=round(s.time_us / best.time_us, 2))
+        line["all_verified"] = bool(cpa_rows.verified.all())
+        lines.append(line)
+    return pd.DataFrame(lines)

@@ -1,0 +1,98 @@
+"""Device-session jobs: parallel prebuilds and the cold-build / warm-load measurement."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from . import variants as V
+
+
+def test_variants(platform: str) -> list[V.Variant]:
+    """Every variant tests/test_kernel_gpu.py exercises, plus the bench grid."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(here, "tests"))
+    from test_kernel_gpu import CASES  # noqa: E402
+
+    vs = []
+    for c in CASES:
+        try:
+            vs.append(V.variant_for(tiling=c["tiling"], partition_size=c["partition_size"], head_size=c["head_size"],
+                                    block_size=c["block_size"], dtype=c["dtype"], kv_cache_dtype=c["kv"],
+                                    gqa_ratio=c["gqa"], platform=platform))
+        except ValueError:
+            pass
+    return vs + bench_variants(platform)
+
+
+def bench_variants(platform: str) -> list[V.Variant]:
+    return [V.variant_for(tiling=t, partition_size=p, head_size=128, block_size=16, dtype="fp16",
+                          kv_cache_dtype="auto", gqa_ratio=8, platform=platform)
+            for t in V.TILINGS for p in V.PARTITION_SIZES]
+
+
+def prebuild_main(grid: str, jobs: int | None) -> list[dict]:
+    from .build import device_arch, prebuild
+
+    platform, arch = device_arch()
+    vs = test_variants(platform) if grid == "tests" else bench_variants(platform)
+    t0 = time.time()
+    rows = prebuild(vs, arch, jobs=jobs)
+    wall = time.time() - t0
+    errs = [r for r in rows if r["error"]]
+    cold = sorted(r["build_seconds"] for r in rows if not r["from_cache"] and not r["error"])
+    med = cold[len(cold) // 2] if cold else 0.0
+    print(f"prebuild: {len(rows)} variants in {wall:.1f} s wall on {jobs or os.cpu_count()} processes; "
+          f"{len(cold)} compiled (per-variant median {med:.1f} s, max {max(cold) if cold else 0:.1f} s, "
+          f"under contention); errors: {len(errs)}")
+    for r in errs[:5]:
+        print("ERROR", r["variant"], (r["error"] or "")[-2000:])
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "prebuild.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def build_time_main() -> dict:
+    """Cold build of one variant alone (empty cache), then a warm load in a fresh process."""
+    import tempfile
+
+    from .build import device_arch
+
+    platform, arch = device_arch()
+    v = V.variant_for(tiling="mfma16", partition_size=256, head_size=128, block_size=16, dtype="fp16",
+                      kv_cache_dtype="auto", gqa_ratio=8, platform=platform)
+    cache = tempfile.mkdtemp(prefix="cpa-coldcache-")
+    env = dict(os.environ, CPA_CACHE_DIR=cache)
+    code = ("import time, torch; torch.cuda.init(); import cpa, cpa.variants as V; t=time.perf_counter(); "
+            f"k=cpa.build(V.Variant(**{v.as_dict()!r})); "
+            "print('RESULT', time.perf_counter()-t, k.from_cache, k.build_seconds)")
+    res = {}
+    for label in ("cold", "warm"):
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
+        if p.returncode or not line:
+            raise RuntimeError(f"{label} build failed: {p.stderr[-2000:]}")
+        _, total, from_cache, compile_s = line[0].split()
+        res[label] = dict(build_call_seconds=float(total), from_cache=from_cache == "True",
+                          compile_seconds=float(compile_s))
+    print(f"build time of {v.name} on {arch}: cold {res['cold']['build_call_seconds']:.1f} s "
+          f"(compile {res['cold']['compile_seconds']:.1f} s), warm load in a new process "
+          f"{res['warm']['build_call_seconds']:.3f} s (from cache: {res['warm']['from_cache']})")
+    res.update(variant=v.name, arch=arch)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "build_time.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["buildtime"]:
+        build_time_main()
+    else:
+        prebuild_main(sys.argv[1] if len(sys.argv) > 1 else "tests", None)
