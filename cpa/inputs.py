@@ -7,8 +7,11 @@
   plus about 10% spare, at least one); the unused tail of each row holds garbage (-1,
   ``num_blocks + random``, the int32 maximum, or an in-range block owned by someone else),
   which kernels must never read;
-* q, K, V drawn from a standard normal with a ``torch.Generator`` seeded by ``seed``, on the
-  CPU in a fixed order and then moved to ``device`` -- the same values on CPU and GPU;
+* q, K, V drawn from a standard normal on the CPU by generators (``torch.Generator``) seeded
+  from ``seed`` (the block table and q from one seeded by ``seed``; each fixed-size chunk of K and
+  of V from its own, seeded from ``seed``, the cache and the chunk index, so that chunks are
+  drawn on several threads), then moved to ``device`` -- the same values on CPU and GPU,
+  whatever the thread count;
 * with ``poison_unused`` (default) every cache slot no sequence uses -- slots past ``seq_len``
   in a sequence's last block and whole unused blocks -- holds NaN (fp8: byte 0x7F, the
   e4m3fn NaN), so a kernel that reads one produces NaN;
@@ -23,9 +26,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -36,9 +41,9 @@ __all__ = ["PagedInputs", "make_paged_inputs", "alibi_slopes", "FP8_E4M3_MAX", "
 FP8_E4M3_MAX = 448.0
 FP8_E4M3_NAN_BYTE = 0x7F
 
-#: elements drawn per chunk when filling the caches (bounds host memory for big caches;
-#: part of the draw order, so changing it changes the values)
-_CHUNK_ELEMS = 1 << 24
+#: elements per chunk when filling the caches: bounds host memory for big caches, and each chunk
+#: has its own generator (so changing this changes the values)
+_CHUNK_ELEMS = 1 << 22
 
 
 @dataclass
@@ -124,44 +129,56 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def _draw_chunks(numel: int, gen: torch.Generator, std: float) -> Iterator[torch.Tensor]:
-    """Standard-normal values * std, float32 on the CPU, in fixed-size chunks."""
-    done = 0
-    while done < numel:
-        n = min(_CHUNK_ELEMS, numel - done)
-        yield torch.randn(n, generator=gen, dtype=torch.float32).mul_(std)
-        done += n
+def _chunk_seed(seed: int, stream: str, index: int) -> int:
+    """Seed of one chunk of one stream: independent of thread count and device."""
+    h = hashlib.blake2b(f"cpa:{seed}:{stream}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def _draw_chunk(seed: int, stream: str, index: int, numel: int, std: float) -> torch.Tensor:
+    """Chunk ``index`` of ``stream``: standard normal * std, float32 on the CPU."""
+    n = min(_CHUNK_ELEMS, numel - index * _CHUNK_ELEMS)
+    g = torch.Generator(device="cpu").manual_seed(_chunk_seed(seed, stream, index))
+    return torch.randn(n, generator=g, dtype=torch.float32).mul_(std)
 
 
 def _fill_cache(
     shape: tuple[int, ...],
-    gen: torch.Generator,
+    seed: int,
+    stream: str,
     std: float,
     dtype: torch.dtype,
     device: torch.device,
     fp8: bool,
 ) -> tuple[torch.Tensor, float]:
-    """A cache of ``shape`` filled chunk by chunk; returns (cache, fp8 scale or 1.0)."""
+    """A cache of ``shape`` filled chunk by chunk; returns (cache, fp8 scale or 1.0).
+
+    Each chunk has its own generator (seeded from ``seed``, ``stream`` and the chunk index), so
+    chunks are drawn on several CPU threads at once and the values do not depend on how many.
+    """
     numel = math.prod(shape)
+    n_chunks = -(-numel // _CHUNK_ELEMS)
+    workers = max(1, min(torch.get_num_threads(), n_chunks, 32))
     scale = 1.0
-    if fp8:
-        # first pass: amax over the values to be drawn, then replay the same draw
-        state = gen.get_state()
-        amax = 0.0
-        for c in _draw_chunks(numel, gen, std):
-            amax = max(amax, float(c.abs().max()))
-        gen.set_state(state)
-        scale = amax / FP8_E4M3_MAX if amax > 0 else 1.0
-        dtype = torch.uint8
-    cache = torch.empty(numel, dtype=dtype, device=device)
-    off = 0
-    for c in _draw_chunks(numel, gen, std):
+    with ThreadPoolExecutor(max_workers=workers) as ex:
         if fp8:
-            c = c.div_(scale).to(torch.float8_e4m3fn).view(torch.uint8)
-        else:
-            c = c.to(dtype)
-        cache[off : off + c.numel()].copy_(c)
-        off += c.numel()
+            # first pass: amax of everything to be drawn (chunks are re-drawn, not kept)
+            amaxes = ex.map(lambda i: float(_draw_chunk(seed, stream, i, numel, std).abs().max()), range(n_chunks))
+            amax = max(amaxes)
+            scale = amax / FP8_E4M3_MAX if amax > 0 else 1.0
+
+        def make(i: int) -> torch.Tensor:
+            c = _draw_chunk(seed, stream, i, numel, std)
+            if fp8:
+                return c.div_(scale).to(torch.float8_e4m3fn).view(torch.uint8)
+            return c.to(dtype)
+
+        cache = torch.empty(numel, dtype=torch.uint8 if fp8 else dtype, device=device)
+        for first in range(0, n_chunks, workers):  # at most `workers` chunks in flight
+            futures = [ex.submit(make, i) for i in range(first, min(first + workers, n_chunks))]
+            for i, f in zip(range(first, n_chunks), futures):
+                c = f.result()
+                cache[i * _CHUNK_ELEMS : i * _CHUNK_ELEMS + c.numel()].copy_(c)
     return cache.view(shape), scale
 
 
@@ -247,9 +264,11 @@ def make_paged_inputs(
     k_std, v_std = (2.0, 0.5) if fp8 else (1.0, 1.0)
     cache_dtype = dtype
     key_cache, k_scale = _fill_cache(
-        (num_blocks, num_kv_heads, head_size // x, block_size, x), gen, k_std, cache_dtype, device, fp8
+        (num_blocks, num_kv_heads, head_size // x, block_size, x), seed, "key", k_std, cache_dtype, device, fp8
     )
-    value_cache, v_scale = _fill_cache((num_blocks, num_kv_heads, head_size, block_size), gen, v_std, cache_dtype, device, fp8)
+    value_cache, v_scale = _fill_cache(
+        (num_blocks, num_kv_heads, head_size, block_size), seed, "value", v_std, cache_dtype, device, fp8
+    )
 
     if poison_unused:
         unused = torch.arange(block_size)[None, :] >= tokens_in_block[:, None]  # [num_blocks, block_size]

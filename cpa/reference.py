@@ -232,7 +232,7 @@ def paged_attention(
             m = lp.amax(dim=-1)  # [KVH, G, nps]; finite: every partition has >= 1 token
             e = torch.exp(lp - m.unsqueeze(-1))  # padded tokens -> 0
             es = e.sum(dim=-1)  # [KVH, G, nps]
-            vp = v.view(KVH, nps, P, D)
+            vp = v.reshape(KVH, nps, P, D)
             # [KVH, nps, G, P] @ [KVH, nps, P, D] -> [KVH, nps, G, D] (no broadcast copy of V)
             part = torch.matmul(e.transpose(1, 2), vp).transpose(1, 2)  # [KVH, G, nps, D]
             part = part / es.unsqueeze(-1)

@@ -187,6 +187,24 @@ def test_fp8_scale_replay_over_chunks(monkeypatch, chunk):
     assert torch.equal(a.key_cache, inp.key_cache) and a.k_scale == inp.k_scale
 
 
+def test_values_independent_of_thread_count(monkeypatch):
+    import cpa.inputs as mod
+
+    monkeypatch.setattr(mod, "_CHUNK_ELEMS", 1 << 16)
+    kw = dict(dtype=torch.float16, kv_cache_dtype="fp8", seed=13)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = make_paged_inputs(2, 4, 2, 128, 16, [3000, 7000], **kw)
+        torch.set_num_threads(max(2, old))
+        b = make_paged_inputs(2, 4, 2, 128, 16, [3000, 7000], **kw)
+    finally:
+        torch.set_num_threads(old)
+    assert a.key_cache.numel() > 8 * (1 << 16)  # several chunks
+    assert torch.equal(a.key_cache, b.key_cache) and torch.equal(a.value_cache, b.value_cache)
+    assert (a.k_scale, a.v_scale) == (b.k_scale, b.v_scale)
+
+
 def test_as_kwargs_and_helpers(device):
     lens = [7, 100, 33]
     inp = make_paged_inputs(3, 8, 2, 128, 16, lens, dtype=torch.float16, device=device)
