@@ -1,0 +1,300 @@
+"""Compile-only evidence: resource usage and instruction mix of every variant, from the real
+compilers, with no GPU.
+
+AMD (gfx942, gfx90a): clang-19 HIP device-only (``--cuda-device-only -nogpulib``) with
+``-Rpass-analysis=kernel-resource-usage`` (VGPRs, AGPRs, SGPRs, scratch, LDS, spills,
+waves/SIMD) and the ISA (``-S``) for the instruction mix. NVIDIA (sm_90): nvcc ``-cubin
+-Xptxas -v`` (registers, shared memory, stack, spills) and ``-ptx`` for the instruction mix.
+Variants are compiled in batches (one translation unit per tiling x dtype x cache dtype x
+heads cap) on all cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import variants as V
+from .build import CSRC
+
+AMD_ARCHS = ("gfx942", "gfx90a")
+NV_ARCHS = ("sm_90",)
+ARCHS = AMD_ARCHS + NV_ARCHS
+CLANG_CANDIDATES = ("clang++-19", "clang++")
+
+
+class CompilerMissing(RuntimeError):
+    pass
+
+
+def find_clang() -> str:
+    for c in CLANG_CANDIDATES:
+        if shutil.which(c):
+            return c
+    raise CompilerMissing("clang++-19 not found: on Debian, apt-get install clang-19 lld-19 libamdhip64-dev")
+
+
+def find_nvcc() -> str:
+    exe = shutil.which("nvcc")
+    if not exe:
+        raise CompilerMissing("nvcc not found on PATH (install the CUDA toolkit)")
+    return exe
+
+
+# ---------------------------------------------------------------- mangled names
+def _tag(variant: V.Variant) -> str:
+    return {"mfma16": "TilingMfma16", "mfma4": "TilingMfma4", "scalar": "TilingScalar"}[variant.tiling]
+
+
+def _dt(variant: V.Variant) -> str:
+    return {"fp16": "F16", "bf16": "BF16"}[variant.dtype]
+
+
+def attention_symbol_key(v: V.Variant) -> str:
+    """A substring unique to the variant's mangled attention-kernel name (Itanium ABI)."""
+    t, d = _tag(v), _dt(v)
+    fp8 = int(v.kv_cache_dtype == "fp8")
+    return (f"{len(t)}{t}ENS_{len(d)}{d}ELi{v.head_size}ELi{v.block_size}ELb{fp8}"
+            f"ELi{v.partition_size}ELi{v.heads_cap}E")
+
+
+def reduce_symbol_key(v: V.Variant) -> str:
+    d = _dt(v)
+    return f"paged_attention_reduce_kernelINS_{len(d)}{d}ELi{v.head_size}E"
+
+
+# ---------------------------------------------------------------- parsing
+def parse_amd_remarks(stderr: str) -> dict[str, dict]:
+    """clang -Rpass-analysis=kernel-resource-usage output -> {function: {field: value}}."""
+    res: dict[str, dict] = {}
+    cur = None
+    for line in stderr.splitlines():
+        m = re.search(r"remark: Function Name: (\S+)", line)
+        if m:
+            cur = res.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"remark:\s+([A-Za-z][A-Za-z /\[\]]*?):\s+(\S+)\s*\[-Rpass", line)
+        if m and cur is not None:
+            key, val = m.group(1).strip(), m.group(2)
+            cur[key] = val
+    return res
+
+
+def split_amd_functions(asm: str) -> dict[str, list[str]]:
+    """-S output -> {function: [instruction mnemonics]} (code between the label and .Lfunc_end)."""
+    funcs: dict[str, list[str]] = {}
+    cur = None
+    for line in asm.splitlines():
+        m = re.match(r"^(_Z\S+):", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        if cur is None:
+            continue
+        if line.startswith(".Lfunc_end"):
+            cur = None
+            continue
+        s = line.strip()
+        if not s or s[0] in ".;" or s.endswith(":"):
+            continue
+        cur.append(s.split()[0])
+    return funcs
+
+
+def amd_mix(mnemonics: list[str]) -> dict[str, int]:
+    c = Counter(mnemonics)
+    mix: dict[str, int] = {}
+    for mn, n in sorted(c.items()):
+        if mn.startswith("v_mfma"):
+            mix[f"mma:{mn}"] = n
+    mix["global_loads"] = sum(n for mn, n in c.items() if mn.startswith(("global_load", "buffer_load", "flat_load")))
+    mix["global_stores"] = sum(n for mn, n in c.items() if mn.startswith(("global_store", "buffer_store", "flat_store")))
+    mix["lds_loads"] = sum(n for mn, n in c.items() if mn.startswith(("ds_read", "ds_load")))
+    mix["lds_stores"] = sum(n for mn, n in c.items() if mn.startswith(("ds_write", "ds_store")))
+    mix["cross_lane"] = sum(n for mn, n in c.items() if mn.startswith(("ds_bpermute", "ds_permute", "ds_swizzle"))
+                            or "_dpp" in mn)
+    mix["exp"] = c.get("v_exp_f32", 0) + c.get("v_exp_f32_e32", 0)
+    mix["instructions"] = sum(c.values())
+    return mix
+
+
+def parse_ptxas(stderr: str) -> dict[str, dict]:
+    res: dict[str, dict] = {}
+    cur = None
+    for line in stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line) or re.search(r"Function properties for (\S+)", line)
+        if m:
+            cur = res.setdefault(m.group(1), {})
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            cur.update(stack_bytes=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["registers"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            cur["shared_bytes"] = int(s.group(1)) if s else 0
+    return res
+
+
+def split_ptx_entries(ptx: str) -> dict[str, list[str]]:
+    funcs: dict[str, list[str]] = {}
+    cur = None
+    for line in ptx.splitlines():
+        m = re.match(r"^\.(?:visible\s+)?\.entry\s+(\S+)\(", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        if cur is None:
+            continue
+        if line.startswith("}"):
+            cur = None
+            continue
+        s = line.strip()
+        if not s or s.startswith(("//", ".", "{", "}", "$")) or s.endswith(":"):
+            continue
+        if s.startswith("@"):
+            s = s.split(None, 1)[1] if " " in s else s
+        cur.append(s.split()[0].rstrip(";"))
+    return funcs
+
+
+def ptx_mix(ops: list[str]) -> dict[str, int]:
+    c = Counter(ops)
+    mix: dict[str, int] = {}
+    for op, n in sorted(c.items()):
+        if op.startswith("mma.sync"):
+            shape = re.search(r"m\d+n\d+k\d+", op)
+            key = f"mma:mma.sync.{shape.group(0)}" if shape else f"mma:{op}"
+            mix[key] = mix.get(key, 0) + n
+    mix["global_loads"] = sum(n for op, n in c.items() if op.startswith("ld.global"))
+    mix["global_stores"] = sum(n for op, n in c.items() if op.startswith("st.global"))
+    mix["lds_loads"] = sum(n for op, n in c.items() if op.startswith("ld.shared"))
+    mix["lds_stores"] = sum(n for op, n in c.items() if op.startswith("st.shared"))
+    mix["cross_lane"] = sum(n for op, n in c.items() if op.startswith(("shfl", "movmatrix")))
+    mix["exp"] = sum(n for op, n in c.items() if op.startswith("ex2"))
+    mix["instructions"] = sum(c.values())
+    return mix
+
+
+# ---------------------------------------------------------------- compiling
+def _group_key(v: V.Variant):
+    return (v.tiling, v.dtype, v.kv_cache_dtype, v.heads_cap)
+
+
+def _tu_source(group: list[V.Variant]) -> str:
+    lines = ['#include "attention.h"']
+    reduces = set()
+    for v in group:
+        lines.append(f"template __global__ void cpa::paged_attention_kernel<cpa::AttnConfig<{v.cpp_config()}>>"
+                     "(cpa::AttnParams);")
+        reduces.add((_dt(v), v.head_size))
+    for d, h in sorted(reduces):
+        lines.append(f"template __global__ void cpa::paged_attention_reduce_kernel<cpa::{d}, {h}>(cpa::ReduceParams);")
+    return "\n".join(lines) + "\n"
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1800)
+    if p.returncode:
+        raise RuntimeError(f"compile failed ({' '.join(cmd[:3])} ...):\n{p.stderr[-4000:]}")
+    return p
+
+
+def _compile_amd(group, arch, work: Path) -> tuple[dict, dict]:
+    src = work / "tu.hip"
+    src.write_text(_tu_source(group))
+    p = _run([find_clang(), "-x", "hip", "-std=c++17", f"--offload-arch={arch}", "--cuda-device-only", "-O3",
+              "-nogpulib", "-Rpass-analysis=kernel-resource-usage", "-S", f"-I{CSRC}", str(src), "-o", "tu.s"], work)
+    remarks = parse_amd_remarks(p.stderr)
+    funcs = split_amd_functions((work / "tu.s").read_text())
+    return remarks, {f: amd_mix(m) for f, m in funcs.items()}
+
+
+def _compile_nv(group, arch, work: Path) -> tuple[dict, dict]:
+    src = work / "tu.cu"
+    src.write_text(_tu_source(group))
+    base = [find_nvcc(), "-std=c++17", f"-arch={arch}", "-O3", f"-I{CSRC}", str(src)]
+    p = _run(base + ["-cubin", "-Xptxas", "-v", "-o", "tu.cubin"], work)
+    res = parse_ptxas(p.stderr)
+    _run(base + ["-ptx", "-o", "tu.ptx"], work)
+    funcs = split_ptx_entries((work / "tu.ptx").read_text())
+    return res, {f: ptx_mix(m) for f, m in funcs.items()}
+
+
+def _rows_for_group(group, arch) -> list[dict]:
+    work = Path(tempfile.mkdtemp(prefix="cpa-static-"))
+    try:
+        amd = arch.startswith("gfx")
+        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for v in group:
+        for kernel, key in (("attention", attention_symbol_key(v)), ("reduce", reduce_symbol_key(v))):
+            fn = [f for f in res if key in f]
+            if len(fn) != 1:
+                raise RuntimeError(f"{arch}: expected one {kernel} kernel for {v.name}, found {fn}")
+            fn = fn[0]
+            r = res[fn]
+            row = dict(arch=arch, tiling=v.tiling, partition_size=v.partition_size, head_size=v.head_size,
+                       block_size=v.block_size, dtype=v.dtype, kv_cache_dtype=v.kv_cache_dtype,
+                       heads_cap=v.heads_cap, variant=v.name, kernel=kernel, symbol=fn)
+            if amd:
+                row.update(vgprs=int(r["VGPRs"]), agprs=int(r["AGPRs"]), sgprs=int(r["SGPRs"]),
+                           lds_bytes=int(r["LDS Size [bytes/block]"]),
+                           scratch_bytes=int(r["ScratchSize [bytes/lane]"]),
+                           spills=int(r["VGPRs Spill"]) + int(r["SGPRs Spill"]),
+                           waves_per_simd_compiler=int(r["Occupancy [waves/SIMD]"]),
+                           dynamic_stack=r.get("Dynamic Stack", "False") == "True")
+            else:
+                row.update(registers=r["registers"], shared_bytes=r["shared_bytes"], stack_bytes=r["stack_bytes"],
+                           spills=r["spill_stores"] + r["spill_loads"])
+            cfg_threads = 4 * V.WAVE_SIZE[v.platform] if kernel == "attention" else 256
+            row["threads_per_block"] = cfg_threads
+            row.update(mixes.get(fn, {}))
+            rows.append(row)
+    return rows
+
+
+def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: bool = True):
+    """One row per (variant, kernel) as a pandas DataFrame."""
+    import pandas as pd
+
+    platform = V.platform_of_arch(arch)
+    variants = [v for v in variants if v.platform == platform]
+    groups: dict = defaultdict(list)
+    for v in variants:
+        groups[_group_key(v)].append(v)
+    jobs = jobs or os.cpu_count() or 1
+    rows: list[dict] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(variants), desc=f"compile {arch}", unit="variant")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futs = {pool.submit(_rows_for_group, g, arch): g for g in groups.values()}
+        for f in futs:
+            rows.extend(f.result())
+            if bar:
+                bar.update(len(futs[f]))
+    if bar:
+        bar.close()
+    df = pd.DataFrame(rows)
+    mma_cols = sorted(c for c in df.columns if c.startswith("mma:"))
+    df[mma_cols] = df[mma_cols].fillna(0).astype(int)
+    return df.sort_values(["kernel", "tiling", "dtype", "kv_cache_dtype", "heads_cap", "head_size", "block_size",
+                           "partition_size"]).reset_index(drop=True)
+
+
+def variants_for_arch(arch: str, **filters):
+    return list(V.all_variants(V.platform_of_arch(arch), **filters))
