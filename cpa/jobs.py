@@ -94,5 +94,24 @@ def build_time_main() -> dict:
 if __name__ == "__main__":
     if sys.argv[1:] == ["buildtime"]:
         build_time_main()
+    elif sys.argv[1:2] == ["profile-one"]:
+        a = sys.argv[2:]
+        profile_one(a[0], int(a[1]), int(a[2]), int(a[3]))
     else:
         prebuild_main(sys.argv[1] if len(sys.argv) > 1 else "tests", None)
+
+
+def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int = 8, context: int = 32768) -> None:
+    """Run one Llama-70B decode call a few times: a target for `ncu -k regex:paged_attention`."""
+    import torch
+
+    from .bench import LLAMA70B, make_sets
+    from .ops import prepare
+
+    sets = make_sets(batch, context, dtype=torch.float16, **LLAMA70B)
+    launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
+                     block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale,
+                     partition_size=partition_size, tiling=tiling)
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()

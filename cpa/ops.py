@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,12 @@ class Launch:
 
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-            return_intermediates=False, max_seq_len=None, check_values=True) -> Launch:
-    """Validate, pick and build the variant, allocate buffers; launch nothing."""
+            return_intermediates=False, max_seq_len=None, check_values=True, prefetch=None) -> Launch:
+    """Validate, pick and build the variant, allocate buffers; launch nothing.
+
+    prefetch: L2 prefetch of each wave's next step (default on; CPA_PREFETCH=0 turns it off)."""
+    if prefetch is None:
+        prefetch = os.environ.get("CPA_PREFETCH", "1") != "0"
     if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
         raise ValueError(f"query must be a GPU tensor for the CPA kernel (got "
                          f"{getattr(query, 'device', type(query).__name__)}); use cpa.reference on the CPU")
@@ -103,7 +108,8 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     attn_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(query), ptr(key_cache),
                  ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(alibi_slopes),
                  S, H, shape.num_kv_heads, shape.max_blocks_per_seq, num_partitions,
-                 kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1))
+                 kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1),
+                 int(prefetch))
     reduce_args = None
     if num_partitions > 1:
         reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)

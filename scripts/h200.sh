@@ -31,6 +31,13 @@ for step in "$@"; do
         echo "compute-sanitizer $tool rc=${PIPESTATUS[0]}"
       done
       ;;
+    ncu1)
+      # one kernel, key sections: where the attention kernel's time goes
+      timeout 300 ncu --clock-control none -k regex:paged_attention_kernel -s 2 -c 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section LaunchStats $PY -m cpa.jobs profile-one ${CPA_NCU_ARGS:-mfma16 1024 8 32768} > "$OUT/ncu1.txt" 2>&1
+      echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issued Warp|Mem Busy|Max Bandwidth|ERR" "$OUT/ncu1.txt" | head -40
+      ;;
     bench)
       timeout 540 $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} 2>&1 | tail -80
       ;;

@@ -32,6 +32,7 @@ struct AttnParams {
   float scale_log2;         // scale * log2(e) (* k_scale * 256 for fp8)
   float out_scale;          // 1 (or v_scale * 256 for fp8)
   int out_direct;           // 1: a single partition covers each sequence, write `out`
+  int prefetch;             // 1: prefetch each wave's next step into the L2
 };
 
 struct ReduceParams {
@@ -104,6 +105,8 @@ __global__ void __launch_bounds__(Cfg::THREADS) paged_attention_kernel(const Att
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     Tl::load_kv(kv, cache, tok0, partial);
+    const int next = tok0 + Cfg::NUM_WAVES * Tl::TOKENS;
+    if (p.prefetch && next < end) cache.template prefetch_step<Tl::TOKENS>(next);
     float s[NS];
     Tl::qk(s, q, kv, smem);
 
@@ -257,16 +260,27 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const Reduc
   const float* ml = p.max_logits + base;
   const float* es = p.exp_sums + base;
 
-  float mx = -INFINITY;
-  for (int i = tid; i < np; i += RC::THREADS) mx = fmaxf_(mx, ml[i]);
+  // Latency, not bandwidth, bounds this kernel: issue the partials' first rows together
+  // with the statistics instead of after the two block reductions.
+  const int col = tid % RC::COLS, row = tid / RC::COLS;
+  u32x4 first = {0u, 0u, 0u, 0u};
+  if (row < np) first = load16(p.tmp_out + (base + row) * HEAD + 4 * col);
+  const float ml0 = tid < np ? ml[tid] : -INFINITY;
+  const float es0 = tid < np ? es[tid] : 0.f;
+  float mx = ml0;
+  for (int i = tid + RC::THREADS; i < np; i += RC::THREADS) mx = fmaxf_(mx, ml[i]);
   mx = block_reduce<RC::THREADS>(mx, red, true);
-  float wsum = 0.f;
-  for (int i = tid; i < np; i += RC::THREADS) wsum += es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
+  float wsum = tid < np ? es0 * exp2f_fast((ml0 - mx) * kLog2e) : 0.f;
+  for (int i = tid + RC::THREADS; i < np; i += RC::THREADS) wsum += es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
   wsum = block_reduce<RC::THREADS>(wsum, red, false);
 
-  const int col = tid % RC::COLS, row = tid / RC::COLS;
   float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-  for (int i = row; i < np; i += RC::ROWS) {
+  if (row < np) {
+    const float w = es[row] * exp2f_fast((ml[row] - mx) * kLog2e);
+    a0 = w * __uint_as_float(first.x); a1 = w * __uint_as_float(first.y);
+    a2 = w * __uint_as_float(first.z); a3 = w * __uint_as_float(first.w);
+  }
+  for (int i = row + RC::ROWS; i < np; i += RC::ROWS) {
     const float w = es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
     const u32x4 v = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
     a0 += w * __uint_as_float(v.x); a1 += w * __uint_as_float(v.y);
