@@ -14,7 +14,7 @@ __all__ = ["__version__", "validation", "reference", "inputs", "make_paged_input
 
 # ---- kernel side: variants, JIT build, the op (nothing compiles at import) ----------------
 from . import variants  # noqa: E402
-from .build import build  # noqa: E402
+from .jit import build  # noqa: E402
 from .ops import paged_attention  # noqa: E402
 
 __all__ += ["variants", "build", "paged_attention"]

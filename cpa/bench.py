@@ -70,7 +70,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     import torch
 
     from . import ceilings, reference, variants as V
-    from .build import device_arch
+    from .jit import device_arch
     from .ops import prepare
     from .provenance import provenance
     from .timing import time_graph

@@ -149,3 +149,37 @@ def prebuild(
     from . import jobs as J
 
     J.prebuild_main(grid, jobs)
+
+
+@app.command()
+def static(
+    arch: str = typer.Option(..., help="gfx942, gfx90a or sm_90."),
+    out: str = typer.Option(..., help="CSV to write (atomically), one row per variant and kernel."),
+    tilings: Optional[str] = typer.Option(None, help="comma-separated tilings (default: all)."),
+    partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes (default: all)."),
+    jobs: Optional[int] = typer.Option(None, help="parallel compiler processes (default: all cores)."),
+) -> None:
+    """Compile every valid variant for an arch (no GPU) and record resources and instruction mix."""
+    import os
+
+    from . import static as S
+    from . import variants as V
+
+    filters = {}
+    if tilings:
+        filters["tilings"] = tuple(_strs(tilings))
+    if partition_sizes:
+        filters["partition_sizes"] = tuple(_ints(partition_sizes))
+    vs = S.variants_for_arch(arch, **filters)
+    df = S.compile_variants(vs, arch, jobs=jobs)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    tmp = out + ".tmp"
+    df.to_csv(tmp, index=False)
+    os.replace(tmp, out)
+    att = df[df.kernel == "attention"]
+    cols = [c for c in ("tiling", "partition_size", "head_size", "dtype", "kv_cache_dtype", "heads_cap", "vgprs",
+                        "agprs", "registers", "lds_bytes", "shared_bytes", "spills", "waves_per_simd_compiler")
+            if c in att]
+    sel = att[(att.head_size == 128) & (att.block_size == 16)][cols]
+    typer.echo(sel.to_string(index=False))
+    typer.echo(f"\n{len(vs)} variants ({V.platform_of_arch(arch)}), {len(df)} kernels -> {out}")

@@ -35,7 +35,7 @@ def bench_variants(platform: str) -> list[V.Variant]:
 
 
 def prebuild_main(grid: str, jobs: int | None) -> list[dict]:
-    from .build import device_arch, prebuild
+    from .jit import device_arch, prebuild
 
     platform, arch = device_arch()
     vs = test_variants(platform) if grid == "tests" else bench_variants(platform)
@@ -61,7 +61,7 @@ def build_time_main() -> dict:
     """Cold build of one variant alone (empty cache), then a warm load in a fresh process."""
     import tempfile
 
-    from .build import device_arch
+    from .jit import device_arch
 
     platform, arch = device_arch()
     v = V.variant_for(tiling="mfma16", partition_size=256, head_size=128, block_size=16, dtype="fp16",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import variants as V
-from .build import BuiltKernel, build, device_arch
+from .jit import BuiltKernel, build, device_arch
 from .validation import PagedAttentionShape, validate_paged_attention_args
 
 LOG2E = 1.4426950408889634

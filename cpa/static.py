@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import variants as V
-from .build import CSRC
+from .jit import CSRC
 
 AMD_ARCHS = ("gfx942", "gfx90a")
 NV_ARCHS = ("sm_90",)

@@ -73,7 +73,7 @@ def _variant_or_skip(c, platform):
 def check_against_reference(c, seq_lens, seed):
     import cpa.ops as ops
     from cpa import reference
-    from cpa.build import device_arch
+    from cpa.jit import device_arch
     from cpa.inputs import make_paged_inputs
 
     platform, _ = device_arch()

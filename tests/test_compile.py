@@ -1,0 +1,102 @@
+"""Compile-only checks, no GPU: the variants compile for gfx942 (clang-19, HIP device-only)
+and sm_90 (nvcc), and the ISA holds the matrix-core instructions each tiling promises.
+
+By default a subset: every tiling x partition size x dtype x KV-cache dtype x heads cap at
+head 128 / block 16, and every other head size and block size at partition 256. Set
+CPA_COMPILE_ALL=1 for every variant (what `cpa static` ships in data/static/).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import pytest
+
+from cpa import variants as V
+
+pytestmark = pytest.mark.compile
+
+
+def _subset(platform):
+    if os.environ.get("CPA_COMPILE_ALL") == "1":
+        return list(V.all_variants(platform))
+    vs = list(V.all_variants(platform, head_sizes=(128,), block_sizes=(16,)))
+    vs += list(V.all_variants(platform, partition_sizes=(256,), head_sizes=(64, 256), dtypes=("fp16",),
+                              kv_cache_dtypes=("auto", "fp8")))
+    vs += list(V.all_variants(platform, partition_sizes=(256,), block_sizes=(32,), dtypes=("bf16",)))
+    return list(dict.fromkeys(vs))
+
+
+def _have(exe):
+    return shutil.which(exe) is not None
+
+
+@pytest.fixture(scope="module")
+def gfx942():
+    if not (_have("clang++-19") or _have("clang++")):
+        pytest.skip("clang-19 not installed (apt-get install clang-19 lld-19 libamdhip64-dev)")
+    from cpa import static
+
+    return static.compile_variants(_subset("hip"), "gfx942", progress=False)
+
+
+@pytest.fixture(scope="module")
+def sm90():
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    from cpa import static
+
+    return static.compile_variants(_subset("cuda"), "sm_90", progress=False)
+
+
+EXPECTED = {
+    ("gfx942", "mfma16"): r"v_mfma_f32_16x16x16_{dt}",
+    ("gfx942", "mfma4"): r"v_mfma_f32_4x4x4_16b_{dt}",
+    ("sm_90", "mfma16"): r"mma\.sync\.m16n8k16",
+    ("sm_90", "mfma4"): r"mma\.sync\.m16n8k8",
+}
+
+
+def _check_mma(df, arch):
+    att = df[df.kernel == "attention"]
+    assert len(att) > 0
+    mma_cols = [c for c in att.columns if c.startswith("mma:")]
+    for _, r in att.iterrows():
+        present = {c[4:]: int(r[c]) for c in mma_cols if r[c] > 0}
+        if r.tiling == "scalar":
+            assert not present, f"{r.variant}: scalar tiling uses matrix cores: {present}"
+            continue
+        pat = EXPECTED[(arch, r.tiling)].format(dt=r.dtype)
+        assert present, f"{r.variant}: no matrix-core instruction in the {arch} code"
+        wrong = [m for m in present if not re.fullmatch(pat, m)]
+        assert not wrong, f"{r.variant}: unexpected matrix-core instructions {wrong} (expected {pat})"
+        # QK and PV of one step on the matrix cores: at least head_size/16 instructions each
+        assert sum(present.values()) >= 2 * r.head_size // 16, f"{r.variant}: too few mma {present}"
+    red = df[df.kernel == "reduce"]
+    assert (red[mma_cols].sum(axis=1) == 0).all(), "the reduce kernel should not use matrix cores"
+
+
+def test_gfx942_every_variant_compiles_with_expected_mfma(gfx942):
+    _check_mma(gfx942, "gfx942")
+    att = gfx942[gfx942.kernel == "attention"]
+    assert (att.waves_per_simd_compiler >= 1).all()
+    assert not att.dynamic_stack.any(), "an unresolved device-library call (dynamic stack) skews the resources"
+    assert (att.lds_bytes <= 64 * 1024).all(), "LDS over the 64 KiB a CDNA3 workgroup can have"
+    assert (att.global_loads > 0).all()
+
+
+def test_sm90_every_variant_compiles_with_expected_mma(sm90):
+    _check_mma(sm90, "sm_90")
+    att = sm90[sm90.kernel == "attention"]
+    assert (att.registers <= 255).all()
+    assert (att.shared_bytes <= 48 * 1024).all(), "static shared memory over 48 KiB"
+    assert (att.exp > 0).all()
+
+
+def test_scalar_tiling_has_no_matrix_instructions_anywhere(gfx942, sm90):
+    for df in (gfx942, sm90):
+        s = df[(df.tiling == "scalar") & (df.kernel == "attention")]
+        assert len(s) > 0
+        assert (s[[c for c in df.columns if c.startswith("mma:")]].sum(axis=1) == 0).all()

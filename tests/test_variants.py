@@ -1,0 +1,80 @@
+"""Variant constraints raise before any build; defaults come from one table."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpa import variants as V
+
+
+def test_names_unique_and_round_trip():
+    for platform in V.PLATFORMS:
+        vs = list(V.all_variants(platform))
+        assert len({v.name for v in vs}) == len(vs)
+        for v in vs[:50]:
+            assert V.Variant(**v.as_dict()) == v
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("partition_size", 32, "partition_size"), ("partition_size", 2048, "partition_size"),
+    ("partition_size", 96, "partition_size"), ("tiling", "mfma32", "tiling"), ("head_size", 80, "head_size"),
+    ("block_size", 8, "block_size"), ("dtype", "fp32", "dtype"), ("kv_cache_dtype", "int8", "kv_cache_dtype"),
+    ("heads_cap", 3, "heads_cap"), ("platform", "metal", "platform"),
+])
+def test_invalid_field_raises(field, value, match):
+    good = dict(tiling="mfma16", partition_size=256, head_size=128, block_size=16, dtype="fp16",
+                kv_cache_dtype="auto", heads_cap=8, platform="cuda")
+    with pytest.raises(ValueError, match=match):
+        V.Variant(**{**good, field: value})
+
+
+def test_heads_cap_per_platform():
+    assert V.heads_cap_for("mfma16", "cuda", 8) == 8
+    assert V.heads_cap_for("mfma16", "cuda", 9) == 16
+    assert V.heads_cap_for("mfma16", "hip", 1) == 16
+    assert V.heads_cap_for("mfma4", "hip", 4) == 4
+    assert V.heads_cap_for("scalar", "cuda", 3) == 4
+    with pytest.raises(ValueError, match="at most 4"):
+        V.heads_cap_for("mfma4", "hip", 5)
+    with pytest.raises(ValueError, match="GQA"):
+        V.heads_cap_for("mfma16", "cuda", 17)
+
+
+def test_partition_must_hold_whole_wave_steps():
+    # hip mfma4 and scalar take 64 tokens per wave step: 64 is the smallest partition there
+    for t in ("mfma4", "scalar"):
+        v = V.variant_for(tiling=t, partition_size=64, head_size=128, block_size=32, dtype="fp16",
+                          kv_cache_dtype="auto", gqa_ratio=4, platform="hip")
+        assert v.partition_size % v.tokens_per_step == 0
+
+
+def test_scalar_head_size_multiple_of_wave():
+    V.variant_for(tiling="scalar", partition_size=256, head_size=64, block_size=16, dtype="bf16",
+                  kv_cache_dtype="fp8", gqa_ratio=1, platform="hip")
+
+
+def test_defaults_table():
+    assert V.default_choice("gfx942", 8)[:2] == ("mfma16", 256)
+    assert V.default_choice("gfx942", 2)[:2] == ("mfma4", 256)
+    tiling, p, src = V.default_choice("sm_90", 8)
+    assert tiling in V.TILINGS and p in V.PARTITION_SIZES and src
+    assert V.default_choice("sm_75", 8)[:2] == ("mfma16", 256)  # fallback rule
+
+
+def test_sources_instantiate_exactly_the_variant():
+    v = V.variant_for(tiling="mfma4", partition_size=512, head_size=64, block_size=32, dtype="bf16",
+                      kv_cache_dtype="fp8", gqa_ratio=8, platform="cuda")
+    src = v.source()
+    assert v.name in src and "cpa::TilingMfma4, cpa::BF16, 64, 32, true, 512, 8" in src
+    assert "paged_attention_kernel" in v.kernel_instantiation_source()
+
+
+def test_dtype_and_kv_names():
+    import torch
+
+    assert V.dtype_name(torch.float16) == "fp16" and V.dtype_name(torch.bfloat16) == "bf16"
+    with pytest.raises(TypeError):
+        V.dtype_name(torch.float32)
+    assert V.kv_name("fp8_e4m3") == "fp8"
+    with pytest.raises(ValueError):
+        V.kv_name("fp8_e5m2")
