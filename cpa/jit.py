@@ -74,6 +74,11 @@ def sources_digest() -> str:
     return h.hexdigest()
 
 
+def extra_flags() -> list[str]:
+    """CPA_NVCC_FLAGS: extra compiler flags for experiments (e.g. -DCPA_MIN_BLOCKS=3); part of the key."""
+    return os.environ.get("CPA_NVCC_FLAGS", "").split()
+
+
 def cache_key(variant: Variant, arch: str) -> str:
     import torch
 
@@ -84,6 +89,7 @@ def cache_key(variant: Variant, arch: str) -> str:
         "compiler": _compiler_id(variant.platform),
         "torch": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "extra_flags": extra_flags(),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -160,7 +166,7 @@ def _compile(variant: Variant, arch: str, workdir: Path, verbose: bool) -> Path:
     src = workdir / f"{variant.name.replace('-', '_')}.cu"
     src.write_text(variant.source())
     name = "cpa_" + variant.name.replace("-", "_")
-    flags = ["-O3", "-std=c++17", f"-I{CSRC}"]
+    flags = ["-O3", "-std=c++17", f"-I{CSRC}", *extra_flags()]
     env_key, env_val = ("TORCH_CUDA_ARCH_LIST", f"{arch[3]}.{arch[4:]}") if variant.platform == "cuda" \
         else ("PYTORCH_ROCM_ARCH", arch)
     if variant.platform == "cuda":

@@ -76,7 +76,7 @@ def _check_mma(df, arch):
         if r.tiling == "scalar":
             assert not present, f"{r.variant}: scalar tiling uses matrix cores: {present}"
             continue
-        pat = EXPECTED[(arch, r["tiling"])].format(dt=r["dtype"])
+        pat = EXPECTED[(arch, r["tiling"])].format(dt={"fp16": "f16", "bf16": "bf16"}[r["dtype"]])
         assert present, f"{r.variant}: no matrix-core instruction in the {arch} code"
         wrong = [m for m in present if not re.fullmatch(pat, m)]
         assert not wrong, f"{r.variant}: unexpected matrix-core instructions {wrong} (expected {pat})"

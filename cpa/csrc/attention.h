@@ -9,6 +9,12 @@
 
 namespace cpa {
 
+// Resident workgroups per SM/CU the compiler must allow (register budget); 1 leaves the
+// choice to the compiler. A research knob: set through CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3.
+#ifndef CPA_MIN_BLOCKS
+#define CPA_MIN_BLOCKS 1
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -66,7 +72,7 @@ struct AttnConfig {
 };
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::THREADS) paged_attention_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
   using Tl = typename Cfg::Tiles;
   using T = typename Cfg::Dtype;
   constexpr int HEAD = Cfg::head_size, BLOCK = Cfg::block_size, PARTITION = Cfg::partition_size;
