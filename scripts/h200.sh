@@ -38,6 +38,13 @@ for step in "$@"; do
         --section LaunchStats $PY -m cpa.jobs profile-one ${CPA_NCU_ARGS:-mfma16 1024 8 32768} > "$OUT/ncu1.txt" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issued Warp|Mem Busy|Max Bandwidth|ERR" "$OUT/ncu1.txt" | head -40
       ;;
+    ab)
+      # A/B of two kernel knobs against the default build, mfma16 only
+      CPA_PREFETCH=0 CPA_COMMAND="CPA_PREFETCH=0 python3 -m cpa bench --tilings mfma16" \
+        $PY -m cpa bench --tilings mfma16 --out "$OUT/ab-noprefetch.csv" 2>&1 | grep -A30 "best_us" | head -20
+      CPA_NVCC_FLAGS="-DCPA_MIN_BLOCKS=3" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench --tilings mfma16" \
+        $PY -m cpa bench --tilings mfma16 --out "$OUT/ab-minblocks3.csv" 2>&1 | grep -A30 "best_us" | head -20
+      ;;
     bench)
       timeout 540 $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} 2>&1 | tail -80
       ;;
