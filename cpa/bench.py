@@ -65,7 +65,7 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
 
 
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
-        replays=30, sdpa=True, out_csv=None, progress=True):
+        replays=30, sdpa=True, fused=True, out_csv=None, progress=True):
     import pandas as pd
     import torch
 
@@ -86,12 +86,14 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
           f"commit {prov['git_commit']}")
     print(f"# ceilings this run: read {read_gbps:.0f} GB/s ({ceil['read_method']}), copy {ceil['copy_gbps']:.0f} GB/s")
     rows = []
+    modes = (False, True) if fused else (False,)
     shapes = [(b, c) for b in batches for c in contexts]
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(shapes) * (len(tilings) * len(partition_sizes) + int(sdpa)), desc="bench", unit="run")
+        bar = tqdm(total=len(shapes) * (len(tilings) * len(partition_sizes) * len(modes) + int(sdpa)), desc="bench",
+                   unit="run")
     for b, ctx in shapes:
         sets = make_sets(b, ctx, dtype=dtype, **LLAMA70B)
         base = dict(num_seqs=b, max_seq_len=ctx, num_heads=LLAMA70B["num_heads"],
@@ -102,41 +104,45 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                      block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
         ref = reference.paged_attention(**args0)
         tol = reference.REL_ERR_TOL[dtype]
-        for tiling in tilings:
-            for P in partition_sizes:
-                row = dict(base, tiling=tiling, partition_size=P)
-                try:
-                    launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache,
-                                        block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale,
-                                        partition_size=P, tiling=tiling, max_seq_len=ctx, check_values=(i == 0))
-                                for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
-                except ValueError as e:  # not a variant of this platform
-                    row.update(error=str(e))
-                    rows.append(row)
-                    if bar:
-                        bar.update(1)
-                    continue
-                out0 = launches[0]()
-                torch.cuda.synchronize()
-                err = reference.relative_error(out0, ref, per_seq=True)
-                k = launches[0].kernel
-                t_all = time_graph([l.__call__ for l in launches], replays=replays)
-                t_attn = time_graph([l.attention for l in launches], replays=replays)
-                t_red = time_graph([l.reduce for l in launches], replays=replays) \
-                    if launches[0].reduce_args is not None else None
-                S, H, D, NP = b, LLAMA70B["num_heads"], LLAMA70B["head_size"], launches[0].num_partitions
-                partial_bytes = 0 if NP == 1 else 2 * S * H * NP * (D + 2) * 4
-                total_bytes = sets.kv_bytes_per_set + 2 * S * H * D * 2 + partial_bytes
-                row.update(t_all.as_dict(), attn_time_us=t_attn.median_us,
-                           reduce_time_us=t_red.median_us if t_red else 0.0, num_partitions=NP,
-                           bytes=total_bytes, gbps=sets.kv_bytes_per_set / (t_all.median_us * 1e-6) / 1e9,
-                           verified=bool(err <= tol), max_rel_err=err, build_from_cache=k.from_cache,
-                           build_seconds=k.build_seconds)
-                row["frac_peak_bw"] = row["gbps"] / read_gbps
-                rows.append(row)
-                del launches
+        for tiling, P, fz in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
+            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz)
+            if fz and math.ceil(ctx / P) == 1:  # one partition: nothing to fuse
                 if bar:
                     bar.update(1)
+                continue
+            try:
+                launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache,
+                                    block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale,
+                                    partition_size=P, tiling=tiling, max_seq_len=ctx, check_values=(i == 0),
+                                    fused_reduce=fz)
+                            for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
+            except ValueError as e:  # not a variant of this platform
+                row.update(error=str(e))
+                rows.append(row)
+                if bar:
+                    bar.update(1)
+                continue
+            out0 = launches[0]()
+            torch.cuda.synchronize()
+            err = reference.relative_error(out0, ref, per_seq=True)
+            k = launches[0].kernel
+            t_all = time_graph([l.__call__ for l in launches], replays=replays)
+            t_attn = t_all if fz else time_graph([l.attention for l in launches], replays=replays)
+            t_red = time_graph([l.reduce for l in launches], replays=replays) \
+                if launches[0].reduce_args is not None else None
+            S, H, D, NP = b, LLAMA70B["num_heads"], LLAMA70B["head_size"], launches[0].num_partitions
+            partial_bytes = 0 if NP == 1 else 2 * S * H * NP * (D + 2) * 4
+            total_bytes = sets.kv_bytes_per_set + 2 * S * H * D * 2 + partial_bytes
+            row.update(t_all.as_dict(), attn_time_us=t_attn.median_us,
+                       reduce_time_us=t_red.median_us if t_red else 0.0, num_partitions=NP,
+                       bytes=total_bytes, gbps=sets.kv_bytes_per_set / (t_all.median_us * 1e-6) / 1e9,
+                       verified=bool(err <= tol), max_rel_err=err, build_from_cache=k.from_cache,
+                       build_seconds=k.build_seconds)
+            row["frac_peak_bw"] = row["gbps"] / read_gbps
+            rows.append(row)
+            del launches
+            if bar:
+                bar.update(1)
         if sdpa:
             rows.append(_sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps))
             if bar:
@@ -211,7 +217,9 @@ def summary_table(df):
         sd = g[g.tiling == "sdpa_cudnn"]
         best = cpa_rows.loc[cpa_rows.time_us.idxmin()]
         p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
-        line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}",
+        p256 = p256.sort_values("time_us")
+        fz = "+fused" if bool(best.get("fused_reduce", False)) else ""
+        line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}{fz}",
                     best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
                     p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)
         if len(sd):

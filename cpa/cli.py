@@ -122,6 +122,7 @@ def bench(
     partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes (default: all)."),
     replays: int = typer.Option(30, help="graph replays per timing (median reported)."),
     sdpa: bool = typer.Option(True, help="time torch SDPA (cuDNN, contiguous K/V) in the same run."),
+    fused: bool = typer.Option(True, help="also time each variant with the fused reduce."),
 ) -> None:
     """Benchmark the CPA kernel at Llama-3.1-70B TP1 decode shapes (needs a GPU)."""
     import pandas as pd
@@ -129,9 +130,10 @@ def bench(
     from . import bench as B
 
     df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
-                     partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, out_csv=out)
+                     partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, fused=fused,
+                     out_csv=out)
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500):
-        cols = ["tiling", "partition_size", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
+        cols = ["tiling", "partition_size", "fused_reduce", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
                 "reduce_time_us", "gbps", "frac_peak_bw", "verified"]
         full = df[[c for c in cols if c in df]].copy()
         print(full.round(3).to_string(index=False))

@@ -64,10 +64,13 @@ class Launch:
 
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-            return_intermediates=False, max_seq_len=None, check_values=True, prefetch=None) -> Launch:
+            return_intermediates=False, max_seq_len=None, check_values=True, prefetch=None,
+            fused_reduce=False) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
-    prefetch: L2 prefetch of each wave's next step (default on; CPA_PREFETCH=0 turns it off)."""
+    prefetch: L2 prefetch of each wave's next step (default on; CPA_PREFETCH=0 turns it off).
+    fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
+    itself instead of a second (reduce) launch; the intermediates are written either way."""
     if prefetch is None:
         prefetch = os.environ.get("CPA_PREFETCH", "1") != "0"
     if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
@@ -104,24 +107,28 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     kv_elem = key_cache.element_size()
     kv_head_stride = D * shape.block_size * kv_elem
     kv_block_stride = shape.num_kv_heads * kv_head_stride
+    fused = bool(fused_reduce) and num_partitions > 1
+    # per-Launch counters: zeroed once, reset by the kernel itself, so graph replays reuse them
+    counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32, device=dev) if fused else None
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     attn_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(query), ptr(key_cache),
                  ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(alibi_slopes),
                  S, H, shape.num_kv_heads, shape.max_blocks_per_seq, num_partitions,
                  kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1),
-                 int(prefetch))
+                 int(prefetch), ptr(counters))
     reduce_args = None
-    if num_partitions > 1:
+    if num_partitions > 1 and not fused:
         reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)
     # keep the tensors the raw pointers point into alive for as long as the Launch
     launch = Launch(kernel, shape, out, exp_sums, max_logits, tmp_out, attn_args, reduce_args)
-    launch._inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes)
+    launch._inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, counters)
+    launch.fused_reduce = fused
     return launch
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None,
                     tiling=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-                    return_intermediates=False, max_seq_len=None, check_values=True):
+                    return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False):
     """Paged attention decode with the CPA kernel (vLLM ROCm paged_attention contract).
 
     query [num_seqs, num_heads, head_size] fp16/bf16; key_cache [num_blocks, num_kv_heads,
@@ -136,7 +143,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     launch = prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size=partition_size,
                      tiling=tiling, alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, out=out, return_intermediates=return_intermediates, max_seq_len=max_seq_len,
-                     check_values=check_values)
+                     check_values=check_values, fused_reduce=fused_reduce)
     launch()
     if return_intermediates:
         return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out

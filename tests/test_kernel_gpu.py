@@ -170,3 +170,32 @@ def test_unsupported_head_size_refused():
     inp = make_paged_inputs(1, 8, 1, 80, 16, [40], dtype=torch.float16, device="cuda")
     with pytest.raises(ValueError, match="head"):
         cpa.paged_attention(**inp.as_kwargs())
+
+
+FUSED_CASES = [dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv) for t in V.TILINGS for p in (64, 256, 1024)
+               for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
+
+
+@pytest.mark.parametrize("c", FUSED_CASES, ids=[case_id(c) for c in FUSED_CASES])
+def test_fused_reduce(c):
+    """The last workgroup of each (sequence, KV head) reduces; repeated launches (the kernel
+    resets its counters) give the same output each time."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    P = c["partition_size"]
+    lens = edge_lengths(P) + mixed_lengths(P, 5)
+    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, lens, dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"],
+                            device="cuda", seed=P)
+    ref = reference.paged_attention(**inp.as_kwargs())
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling=c["tiling"], out=out, fused_reduce=True)
+    assert launch.fused_reduce and launch.reduce_args is None
+    tol = reference.REL_ERR_TOL[inp.query.dtype]
+    for _ in range(3):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= tol, f"fused output relative error {err:.3g} > {tol:g}"

@@ -39,6 +39,8 @@ struct AttnParams {
   float out_scale;          // 1 (or v_scale * 256 for fp8)
   int out_direct;           // 1: a single partition covers each sequence, write `out`
   int prefetch;             // 1: prefetch each wave's next step into the L2
+  int* counters;            // [num_seqs * num_kv_heads] zeros, or null: fused reduce when set
+  int num_kv_heads;
 };
 
 struct ReduceParams {
@@ -70,6 +72,31 @@ struct AttnConfig {
   static constexpr int TILE_FLOATS = (Tiles::SMEM_BYTES + 3) / 4;
   static constexpr int SMEM_FLOATS = COMBINE_FLOATS > TILE_FLOATS ? COMBINE_FLOATS : TILE_FLOATS;
 };
+
+// out[h][:] = sum_p w_p tmp_out[h][p][:] / sum_p w_p over the np partitions of one
+// sequence, for the gqa heads from row0 (the fused reduce; partials come from the L2).
+template <class T, int HEAD, int THREADS>
+CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np) {
+  constexpr int C4 = HEAD / 4;
+  for (int idx = thread_idx(); idx < p.gqa * C4; idx += THREADS) {
+    const int h = idx / C4, c = idx % C4;
+    const int64_t base = (row0 + h) * p.max_num_partitions;
+    float mx = -INFINITY;
+    for (int i = 0; i < np; ++i) mx = fmaxf_(mx, load_f32_l2(p.max_logits + base + i));
+    float ws = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    for (int i = 0; i < np; ++i) {
+      const float w = load_f32_l2(p.exp_sums + base + i) * exp2f_fast((load_f32_l2(p.max_logits + base + i) - mx) * kLog2e);
+      const u32x4 v = load16_l2(p.tmp_out + (base + i) * HEAD + 4 * c);
+      ws += w;
+      a0 += w * __uint_as_float(v.x); a1 += w * __uint_as_float(v.y);
+      a2 += w * __uint_as_float(v.z); a3 += w * __uint_as_float(v.w);
+    }
+    const float inv = 1.f / ws;
+    uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
+    o[0] = T::pack(a0 * inv, a1 * inv);
+    o[1] = T::pack(a2 * inv, a3 * inv);
+  }
+}
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
@@ -195,35 +222,53 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     }
     barrier();
   }
-  if (wave_id() != 0) return;
-
   const int64_t row0 = (int64_t)seq * p.num_heads + head0;
-  if (Tl::lh_writer()) {
+  if (wave_id() == 0) {
+    if (Tl::lh_writer()) {
 #pragma unroll
-    for (int lh = 0; lh < LH; ++lh) {
-      const int h = Tl::lhead(lh);
-      if (h < p.gqa) {
-        const int64_t idx = (row0 + h) * p.max_num_partitions + part;
-        p.max_logits[idx] = m[lh] * kLn2;
-        p.exp_sums[idx] = l[lh];
+      for (int lh = 0; lh < LH; ++lh) {
+        const int h = Tl::lhead(lh);
+        if (h < p.gqa) {
+          const int64_t idx = (row0 + h) * p.max_num_partitions + part;
+          p.max_logits[idx] = m[lh] * kLn2;
+          p.exp_sums[idx] = l[lh];
+        }
+      }
+    }
+    if (Tl::writer()) {
+      float inv[LH];
+#pragma unroll
+      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / l[lh];
+#pragma unroll
+      for (int e = 0; e < NO; ++e) {
+        int h, d;
+        Tl::o_coord(e, h, d);
+        if (h < p.gqa) {
+          const float val = o[e] * inv[Tl::o_lhead(e)];
+          if (p.tmp_out) p.tmp_out[((row0 + h) * p.max_num_partitions + part) * HEAD + d] = val;
+          if (p.out_direct) reinterpret_cast<uint16_t*>(p.out)[(row0 + h) * HEAD + d] = T::from_float(val);
+        }
       }
     }
   }
-  if (Tl::writer()) {
-    float inv[LH];
-#pragma unroll
-    for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / l[lh];
-#pragma unroll
-    for (int e = 0; e < NO; ++e) {
-      int h, d;
-      Tl::o_coord(e, h, d);
-      if (h < p.gqa) {
-        const float val = o[e] * inv[Tl::o_lhead(e)];
-        if (p.tmp_out) p.tmp_out[((row0 + h) * p.max_num_partitions + part) * HEAD + d] = val;
-        if (p.out_direct) reinterpret_cast<uint16_t*>(p.out)[(row0 + h) * HEAD + d] = T::from_float(val);
-      }
-    }
+  if (p.counters == nullptr) return;
+
+  // Fused reduce: the last workgroup of this (sequence, KV head) to finish combines its
+  // partitions, saving the second launch (and its latency) that dominates small batches.
+  __shared__ int is_last;
+  fence_device();  // this workgroup's partials are visible device-wide before it counts
+  barrier();
+  const int np_seq = (seq_len + PARTITION - 1) / PARTITION;
+  if (thread_idx() == 0) {
+    int* ctr = p.counters + (int64_t)seq * p.num_kv_heads + kvh;
+    const int prev = atomic_add_i32(ctr, 1);
+    is_last = prev == np_seq - 1;
+    if (is_last) *ctr = 0;  // every other workgroup has counted: ready for the next launch
   }
+  barrier();
+  if (!is_last) return;
+  fence_device();
+  combine_partitions<T, HEAD, Cfg::THREADS>(p, row0, np_seq);
 }
 
 // ---------------------------------------------------------------- reduce

@@ -95,6 +95,23 @@ CPA_DEVICE float exp2f_fast(float x) {
 
 CPA_DEVICE float fmaxf_(float a, float b) { return a > b ? a : b; }
 
+// Device-scope ordering and a counter, for the fused reduce (the last workgroup of a
+// sequence combines its partitions).
+CPA_DEVICE void fence_device() {
+#if CPA_HIP
+  __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent");
+#else
+  __threadfence();
+#endif
+}
+CPA_DEVICE int atomic_add_i32(int* p, int v) {
+#if CPA_HIP
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  return atomicAdd(p, v);
+#endif
+}
+
 // ---------------------------------------------------------------- vector loads
 struct u32x4 { uint32_t x, y, z, w; };
 struct u32x2 { uint32_t x, y; };
@@ -117,6 +134,24 @@ CPA_DEVICE u32x2 load8(const void* p) {
 #else
   uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
   return {v.x, v.y};
+#endif
+}
+// Loads of data other workgroups wrote during this launch: served by the L2, not a
+// possibly stale L1 line (NVIDIA ld.global.cg; on AMD the agent-scope acquire fence
+// before them invalidates the vector L1).
+CPA_DEVICE float load_f32_l2(const float* p) {
+#if CPA_HIP
+  return *p;
+#else
+  return __ldcg(p);
+#endif
+}
+CPA_DEVICE u32x4 load16_l2(const void* p) {
+#if CPA_HIP
+  return load16(p);
+#else
+  uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+  return {v.x, v.y, v.z, v.w};
 #endif
 }
 CPA_DEVICE uint32_t load4(const void* p) {
