@@ -229,3 +229,30 @@ def summary_table(df):
         line["all_verified"] = bool(cpa_rows.verified.all())
         lines.append(line)
     return pd.DataFrame(lines)
+
+
+def best_fixed_choice(df):
+    """The (tiling, partition_size, fused_reduce) with the smallest geometric-mean slowdown
+    against the per-shape best over all benchmarked shapes: the one-entry device default.
+    Returns (choice dict, DataFrame of every candidate's geomean and worst slowdown)."""
+    import numpy as np
+    import pandas as pd
+
+    d = df[(df.tiling != "sdpa_cudnn") & df.time_us.notna()].copy()
+    if "fused_reduce" not in d:
+        d["fused_reduce"] = False
+    d["fused_reduce"] = d["fused_reduce"].fillna(False).astype(bool)
+    best = d.groupby(["num_seqs", "max_seq_len"]).time_us.transform("min")
+    d["slowdown"] = d.time_us / best
+    # a shape with one partition has no fused row: the unfused row stands for both modes
+    rows = []
+    for (t, p, f), g in d.groupby(["tiling", "partition_size", "fused_reduce"]):
+        alt = d[(d.tiling == t) & (d.partition_size == p) & (~d.fused_reduce)]
+        g = pd.concat([g, alt[~alt.set_index(["num_seqs", "max_seq_len"]).index.isin(
+            g.set_index(["num_seqs", "max_seq_len"]).index)]]) if f else g
+        rows.append(dict(tiling=t, partition_size=int(p), fused_reduce=bool(f), shapes=len(g),
+                         geomean_slowdown=float(np.exp(np.log(g.slowdown).mean())),
+                         worst_slowdown=float(g.slowdown.max())))
+    table = pd.DataFrame(rows).sort_values("geomean_slowdown").reset_index(drop=True)
+    full = table[table.shapes == table.shapes.max()]
+    return full.iloc[0].to_dict(), table

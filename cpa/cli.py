@@ -139,6 +139,9 @@ def bench(
         print(full.round(3).to_string(index=False))
         print()
         print(B.summary_table(df).to_string(index=False))
+        choice, table = B.best_fixed_choice(df)
+        print("\nbest single (tiling, partition, fused) over these shapes (geomean slowdown vs per-shape best):")
+        print(table.head(6).round(3).to_string(index=False))
     print(f"\nwrote {out}")
 
 
