@@ -11,6 +11,7 @@ heads cap) on all cores.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -209,20 +210,32 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return p
 
 
-def _compile_amd(group, arch, work: Path) -> tuple[dict, dict]:
+def snapshot_sources(dest: Path) -> str:
+    """Copy the kernel headers to `dest` (one consistent version for a whole table, even while
+    cpa/csrc is being edited) and return their digest (the same as cpa.jit.sources_digest)."""
+    h = hashlib.sha256()
+    for p in sorted(CSRC.glob("*.h")):
+        data = p.read_bytes()
+        (dest / p.name).write_bytes(data)
+        h.update(p.name.encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def _compile_amd(group, arch, work: Path, inc: Path = CSRC) -> tuple[dict, dict]:
     src = work / "tu.hip"
     src.write_text(_tu_source(group))
     p = _run([find_clang(), "-x", "hip", "-std=c++17", f"--offload-arch={arch}", "--cuda-device-only", "-O3",
-              "-nogpulib", "-Rpass-analysis=kernel-resource-usage", "-S", f"-I{CSRC}", str(src), "-o", "tu.s"], work)
+              "-nogpulib", "-Rpass-analysis=kernel-resource-usage", "-S", f"-I{inc}", str(src), "-o", "tu.s"], work)
     remarks = parse_amd_remarks(p.stderr)
     funcs = split_amd_functions((work / "tu.s").read_text())
     return remarks, {f: amd_mix(m) for f, m in funcs.items()}
 
 
-def _compile_nv(group, arch, work: Path) -> tuple[dict, dict]:
+def _compile_nv(group, arch, work: Path, inc: Path = CSRC) -> tuple[dict, dict]:
     src = work / "tu.cu"
     src.write_text(_tu_source(group))
-    base = [find_nvcc(), "-std=c++17", f"-arch={arch}", "-O3", f"-I{CSRC}", str(src)]
+    base = [find_nvcc(), "-std=c++17", f"-arch={arch}", "-O3", f"-I{inc}", str(src)]
     p = _run(base + ["-cubin", "-Xptxas", "-v", "-o", "tu.cubin"], work)
     res = parse_ptxas(p.stderr)
     _run(base + ["-ptx", "-o", "tu.ptx"], work)
@@ -230,11 +243,11 @@ def _compile_nv(group, arch, work: Path) -> tuple[dict, dict]:
     return res, {f: ptx_mix(m) for f, m in funcs.items()}
 
 
-def _rows_for_group(group, arch) -> list[dict]:
+def _rows_for_group(group, arch, inc: Path = CSRC) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="cpa-static-"))
     try:
         amd = arch.startswith("gfx")
-        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work)
+        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work, inc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
@@ -266,7 +279,10 @@ def _rows_for_group(group, arch) -> list[dict]:
 
 
 def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: bool = True):
-    """One row per (variant, kernel) as a pandas DataFrame."""
+    """One row per (variant, kernel) as a pandas DataFrame.
+
+    The kernel headers are copied once at the start, so every row comes from the same
+    sources; their digest is the ``sources_digest`` column."""
     import pandas as pd
 
     platform = V.platform_of_arch(arch)
@@ -281,15 +297,21 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(variants), desc=f"compile {arch}", unit="variant")
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futs = {pool.submit(_rows_for_group, g, arch): g for g in groups.values()}
-        for f in futs:
-            rows.extend(f.result())
-            if bar:
-                bar.update(len(futs[f]))
+    inc = Path(tempfile.mkdtemp(prefix="cpa-static-src-"))
+    try:
+        digest = snapshot_sources(inc)
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futs = {pool.submit(_rows_for_group, g, arch, inc): g for g in groups.values()}
+            for f in futs:
+                rows.extend(f.result())
+                if bar:
+                    bar.update(len(futs[f]))
+    finally:
+        shutil.rmtree(inc, ignore_errors=True)
     if bar:
         bar.close()
     df = pd.DataFrame(rows)
+    df["sources_digest"] = digest[:16]
     mma_cols = sorted(c for c in df.columns if c.startswith("mma:"))
     df[mma_cols] = df[mma_cols].fillna(0).astype(int)
     return df.sort_values(["kernel", "tiling", "dtype", "kv_cache_dtype", "heads_cap", "head_size", "block_size",
