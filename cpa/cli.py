@@ -188,3 +188,53 @@ def static(
     sel = att[(att.head_size == 128) & (att.block_size == 16)][cols]
     typer.echo(sel.to_string(index=False))
     typer.echo(f"\n{len(vs)} variants ({V.platform_of_arch(arch)}), {len(df)} kernels -> {out}")
+
+
+@app.command()
+def sweep(
+    grid: str = typer.Option(..., help="shipped grid name (llama70b-decode, gqa-scan, head-size-scan, "
+                                       "mixed-lengths) or a YAML file with the same schema (cpa.sweep)."),
+    out: str = typer.Option(..., help="results parquet (one row per point x variant)."),
+    resume: bool = typer.Option(False, help="skip the (point, variant) rows already in OUT."),
+    overwrite: bool = typer.Option(False, help="start over, deleting OUT and its journal."),
+    retry_errors: bool = typer.Option(False, help="with --resume, run again rows that failed (not unsupported ones)."),
+    tilings: Optional[str] = typer.Option(None, help="comma-separated tilings (default: the grid's)."),
+    partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes (default: the grid's)."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="time SDPA, FlexAttention, FlashInfer as rows too."),
+    peer_names: Optional[str] = typer.Option(None, "--peer-names", help="comma-separated subset of sdpa,flex,flashinfer."),
+    replays: Optional[int] = typer.Option(None, help="replays per timing (default: 30 on the GPU, 5 on the CPU)."),
+    runner: str = typer.Option("auto", help="auto, cuda, cpu (the reference as the timed op) or module:attr."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="tqdm progress bar with ETA."),
+    dry_run: bool = typer.Option(False, help="print the points and the row count, run nothing."),
+) -> None:
+    """Sweep a grid of decode shapes x tilings x partition sizes (plus peers) into a parquet table.
+
+    Every row is verified against the reference (NaN-poisoned output buffer) and timed;
+    rows are journaled atomically, so a killed sweep continues with --resume.
+    """
+    import pandas as pd
+
+    from . import sweep as SW
+
+    g = SW.load_grid(grid).with_variants(_strs(tilings), _ints(partition_sizes))
+    if dry_run:
+        typer.echo(f"grid {g.name} ({g.source}): {len(g.points)} points x {len(g.variants())} variants = "
+                   f"{len(g.rows())} rows (+ peers)")
+        typer.echo(f"tilings {','.join(g.tilings)}; partition sizes {','.join(map(str, g.partition_sizes))}")
+        for p in g.points:
+            typer.echo(f"  {p.point_id}  max {p.max_seq_len}  mean {p.mean_seq_len:.0f}  "
+                       f"KV {p.kv_bytes / 2**20:.1f} MiB")
+        return
+    r = SW.make_runner(runner, replays=replays, peers=_strs(peer_names))
+    try:
+        df = SW.run_sweep(g, out, runner=r, resume=resume, overwrite=overwrite, retry_errors=retry_errors,
+                          peers=peers, progress=progress, echo=typer.echo)
+    except FileExistsError as e:
+        raise typer.BadParameter(str(e), param_hint="--out") from None
+    mine = df[df.grid == g.name]
+    with pd.option_context("display.width", 220, "display.max_columns", 40, "display.max_rows", 1000):
+        typer.echo(SW.summary_table(mine).to_string(index=False))
+    errs = mine.error.notna() & ~mine.error.fillna("").astype(str).str.startswith(SW.UNSUPPORTED)
+    typer.echo(f"\n{len(mine)} rows of grid {g.name} in {out} ({len(df)} in the file); "
+               f"verified {int(mine.verified.sum())}, failed {int(errs.sum())}, "
+               f"unsupported {int(mine.error.fillna('').astype(str).str.startswith(SW.UNSUPPORTED).sum())}")
