@@ -208,7 +208,9 @@ def all_variants(platform: str, *, tilings=TILINGS, partition_sizes=PARTITION_SI
 DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
-    "sm_90": [(16, "mfma16", 256, "provisional: not yet measured")],
+    "sm_90": [(16, "mfma16", 512, "measured: cpa bench on an H200, 2026-12-02 (data/bench/h200-kernel.csv): the "
+                                  "best single choice over 16 Llama-70B decode shapes, 1.07x the per-shape best "
+                                  "(geometric mean); cpa.bench.best_fixed_choice")],
 }
 FALLBACK_DEFAULT = (16, "mfma16", 256, "no entry for this arch: mfma16 / 256")
 
