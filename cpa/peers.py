@@ -9,7 +9,7 @@ here); ``backend`` says what ran, ``note`` how it was fed.
 
 * ``sdpa`` -- ``torch.nn.functional.scaled_dot_product_attention`` (``enable_gqa=True``) on
   contiguous K/V ``[num_seqs, num_kv_heads, max_seq_len, head_size]`` gathered out of the
-  paged caches once, before timing (``cpa.bench.contiguous_kv`` for the timing sets). The
+  paged caches once, before timing (``padded_kv``: as ``cpa.bench.contiguous_kv``, leaner). The
   backend is the first of cuDNN, flash, efficient, math that runs the point (column
   ``backend``). A point of mixed lengths is padded to its longest sequence with a boolean
   key mask, so SDPA reads ``num_seqs x max_seq_len`` tokens while ``gbps`` still counts
@@ -56,26 +56,23 @@ def padded_kv(key_cache, value_cache, block_tables, seq_lens: Sequence[int], len
     """K, V as ``[num_seqs, num_kv_heads, length, head_size]``, zero past each sequence's end.
 
     Reads only each sequence's first ``ceil(seq_len / block_size)`` block-table entries
-    (garbage tails are never dereferenced) and zeroes every slot past ``seq_len`` (so NaN
-    poison in unused cache slots never reaches a peer).
+    (garbage tails are never dereferenced; NaN poison in unused slots never reaches a peer).
+    Filled sequence by sequence into one buffer: the peak is the output plus one sequence.
     """
     import torch
 
-    dev = key_cache.device
     _, kvh, dx, bs, x = key_cache.shape
     D = dx * x
-    S, W = block_tables.shape
-    lens = torch.as_tensor(list(seq_lens), device=dev, dtype=torch.int64)
-    nblk = (lens + bs - 1) // bs
-    used = torch.arange(W, device=dev)[None, :] < nblk[:, None]
-    bt = torch.where(used, block_tables.to(torch.int64), torch.zeros((), dtype=torch.int64, device=dev))
-    wb = -(-length // bs)
-    bt = bt[:, :wb]
-    k = key_cache[bt].permute(0, 2, 1, 4, 3, 5).reshape(S, kvh, wb * bs, D)[:, :, :length]
-    v = value_cache[bt].permute(0, 2, 1, 4, 3).reshape(S, kvh, wb * bs, D)[:, :, :length]
-    keep = (torch.arange(length, device=dev)[None, :] < lens[:, None])[:, None, :, None]
-    zero = torch.zeros((), dtype=k.dtype, device=dev)
-    return torch.where(keep, k, zero).contiguous(), torch.where(keep, v, zero).contiguous()
+    S = block_tables.shape[0]
+    k = torch.zeros(S, kvh, length, D, dtype=key_cache.dtype, device=key_cache.device)
+    v = torch.zeros_like(k)
+    for s, L in enumerate(seq_lens):
+        L = min(int(L), length)
+        n = -(-L // bs)
+        blocks = block_tables[s, :n].to(torch.int64)
+        k[s, :, :L] = key_cache.index_select(0, blocks).permute(1, 0, 3, 2, 4).reshape(kvh, n * bs, D)[:, :L]
+        v[s, :, :L] = value_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kvh, n * bs, D)[:, :L]
+    return k, v
 
 
 def length_mask(seq_lens, length: int, device):
@@ -87,11 +84,12 @@ def length_mask(seq_lens, length: int, device):
 
 
 def _timing_kv(state):
-    """Contiguous K/V of every timing set, [S, KVH, max_seq_len, D] (padded rows for mixed points)."""
-    from .bench import contiguous_kv
+    """Contiguous K/V of every timing set, [S, KVH, max_seq_len, D] (zero-padded rows for mixed points).
 
-    L = state.point.max_seq_len
-    return [contiguous_kv(state.sets, i, L) for i in range(len(state.sets.queries))]
+    What ``cpa.bench.contiguous_kv`` gives for equal lengths, built with ``padded_kv`` so that
+    the largest points (34 GB of K/V at 256 x 32k) do not need two transient copies."""
+    pt, sets = state.point, state.sets
+    return [padded_kv(sets.key_cache, sets.value_cache, bt, pt.seq_lens, pt.max_seq_len) for bt in sets.block_tables]
 
 
 def _result(t, n_sets: int, replays: int, **extra) -> dict:

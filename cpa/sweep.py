@@ -816,6 +816,8 @@ def make_runner(kind: str = "auto", *, replays: int | None = None, peers: Sequen
 def _jsonable(v):
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
+    if type(v).__name__ in ("NAType", "NaTType"):  # pandas missing values
+        return None
     if hasattr(v, "item"):
         return v.item()
     return str(v)

@@ -22,7 +22,7 @@ for step in "$@"; do
       $PY -m cpa.jobs buildtime
       ;;
     test)
-      CPA_VERIFY_CSV="$OUT/verification.csv" timeout 480 $PY -m pytest -p cpa.testing -m gpu tests -q -x -rs \
+      CPA_VERIFY_CSV="$OUT/verification.csv" timeout 480 $PY -m pytest -p cpa.testing -m gpu tests -q -rs \
         --tb=short ${CPA_PYTEST_ARGS:-} 2>&1 | tail -60
       ;;
     sanitize)
