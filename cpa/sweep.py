@@ -45,7 +45,8 @@ Point fields: ``num_seqs``, ``num_heads``, ``num_kv_heads``, ``head_size``, ``bl
   ``random.Random(K)`` (the first n draws of one stream: stable across platforms and Python
   versions), or ``{distribution: uniform, min: A, max: B, seed: K}``.
 
-The point id (column ``point_id``) spells every field (a length list by a digest); a row's
+A point's (or an axis's) own ``max_seq_len`` / ``seq_lens`` replaces the other one from
+``defaults``. The point id (column ``point_id``) spells every field (a length list by a digest); a row's
 key is ``(point_id, tiling, partition_size)``.
 
 Results
@@ -91,7 +92,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 SCHEMA_VERSION = 1
 GRID_SCHEMA = 1
@@ -425,7 +426,11 @@ def parse_grid(spec: Mapping, source: str = "") -> Grid:
     for i, f in enumerate(fields):
         if not isinstance(f, Mapping):
             raise ValueError(f"grid {name}: points[{i}]: expected a mapping")
-        points.append(make_point({**defaults, **f}, where=f"grid {name}: point {i}"))
+        merged = {**defaults, **f}
+        for mine, other in (("seq_lens", "max_seq_len"), ("max_seq_len", "seq_lens")):
+            if mine in f and other not in f:  # a point's own lengths replace the defaults' other spelling
+                merged.pop(other, None)
+        points.append(make_point(merged, where=f"grid {name}: point {i}"))
     if not points:
         raise ValueError(f"grid {name}: no points (give axes and/or points)")
     ids = [p.point_id for p in points]
@@ -707,7 +712,7 @@ class CudaRunner:
     def close_point(self, state) -> None:
         import torch
 
-        del state
+        state.inputs = state.ref = state.sets = None  # drop the point's tensors before the next allocates
         torch.cuda.empty_cache()
 
     def build(self, state: CudaPointState, variant: RowVariant) -> Built:
@@ -776,6 +781,7 @@ class CudaRunner:
         try:
             torch.cuda.synchronize()
             torch.zeros(1, device="cuda").add_(1).item()
+            torch.cuda.empty_cache()  # after an out-of-memory row, give the next one the whole pool
             return True
         except Exception:
             return False
