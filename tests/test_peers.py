@@ -144,3 +144,26 @@ def test_peer_on_gpu(name):
         assert t["time_us"] > 0 and t["n_sets"] >= 1
         peer.release(built)
         r.close_point(state)
+
+
+@pytest.mark.parametrize("lens", [[300, 300], [17, 700, 64]])
+def test_sdpa_peer_verify_on_cpu(monkeypatch, lens):
+    """The SDPA peer's backend choice and verification, run on the CPU (no device syncs needed)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    pt = S.make_point(dict(num_seqs=len(lens), num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                           seq_lens=lens))
+    inp = cpa.make_paged_inputs(pt.num_seqs, 8, 2, 64, 16, list(lens), dtype=torch.float16, seed=9)
+    ref = reference.paged_attention(**inp.as_kwargs())
+    state = S.CudaPointState(pt, inp, ref, reference.REL_ERR_TOL[torch.float16], sets=None, replays=1)
+    peer = P.SdpaPeer()
+    built = peer.build(state)
+    res = peer.verify(state, built)
+    assert res["verified"], res
+    assert res["backend"] in ("flash_attention", "efficient_attention", "math")
+    assert "CUDNN_ATTENTION" in res["note"]  # refused on the CPU, and said so
+    assert ("key mask" in res["note"]) == (len(set(lens)) > 1)
+    fp8 = S.make_point(dict(num_seqs=1, num_heads=8, num_kv_heads=2, head_size=64, block_size=16, max_seq_len=9,
+                            kv_cache_dtype="fp8"))
+    with pytest.raises(S.Unsupported):
+        peer.build(S.CudaPointState(fp8, None, None, 0.0, None, 1))
