@@ -149,17 +149,26 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                 bar.update(1)
         del sets, ref
         torch.cuda.empty_cache()
+        if out_csv:  # after every shape: an interrupted run keeps what it measured
+            write_csv_atomic(_frame(rows, prov, ceil, arch), out_csv)
     if bar:
         bar.close()
-    df = pd.DataFrame(rows)
-    for kk, vv in prov.items():
-        df[kk] = vv
-    df["read_gbps_ceiling"] = read_gbps
-    df["copy_gbps_ceiling"] = ceil["copy_gbps"]
-    df["arch"] = arch
+    df = _frame(rows, prov, ceil, arch)
     if out_csv:
         write_csv_atomic(df, out_csv)
     return df, ceil
+
+
+def _frame(rows, prov, ceil, arch):
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    for kk, vv in prov.items():
+        df[kk] = vv
+    df["read_gbps_ceiling"] = ceil["read_gbps"]
+    df["copy_gbps_ceiling"] = ceil["copy_gbps"]
+    df["arch"] = arch
+    return df
 
 
 def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):

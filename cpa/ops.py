@@ -64,15 +64,11 @@ class Launch:
 
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-            return_intermediates=False, max_seq_len=None, check_values=True, prefetch=None,
-            fused_reduce=False) -> Launch:
+            return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
-    prefetch: L2 prefetch of each wave's next step (default on; CPA_PREFETCH=0 turns it off).
     fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
     itself instead of a second (reduce) launch; the intermediates are written either way."""
-    if prefetch is None:
-        prefetch = os.environ.get("CPA_PREFETCH", "1") != "0"
     if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
         raise ValueError(f"query must be a GPU tensor for the CPA kernel (got "
                          f"{getattr(query, 'device', type(query).__name__)}); use cpa.reference on the CPU")
@@ -115,7 +111,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                  ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(alibi_slopes),
                  S, H, shape.num_kv_heads, shape.max_blocks_per_seq, num_partitions,
                  kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1),
-                 int(prefetch), ptr(counters))
+                 ptr(counters))
     reduce_args = None
     if num_partitions > 1 and not fused:
         reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)

@@ -40,8 +40,6 @@ for step in "$@"; do
       ;;
     ab)
       # A/B of two kernel knobs against the default build, mfma16 only
-      CPA_PREFETCH=0 CPA_COMMAND="CPA_PREFETCH=0 python3 -m cpa bench --tilings mfma16" \
-        $PY -m cpa bench --tilings mfma16 --no-fused --out "$OUT/ab-noprefetch.csv" 2>&1 | grep -A30 "best_us" | head -20
       CPA_NVCC_FLAGS="-DCPA_MIN_BLOCKS=3" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench --tilings mfma16" \
         $PY -m cpa bench --tilings mfma16 --no-fused --out "$OUT/ab-minblocks3.csv" 2>&1 | grep -A30 "best_us" | head -20
       ;;

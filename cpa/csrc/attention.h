@@ -38,7 +38,6 @@ struct AttnParams {
   float scale_log2;         // scale * log2(e) (* k_scale * 256 for fp8)
   float out_scale;          // 1 (or v_scale * 256 for fp8)
   int out_direct;           // 1: a single partition covers each sequence, write `out`
-  int prefetch;             // 1: prefetch each wave's next step into the L2
   int* counters;            // [num_seqs * num_kv_heads] zeros, or null: fused reduce when set
   int num_kv_heads;
 };
@@ -138,8 +137,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     Tl::load_kv(kv, cache, tok0, partial);
-    const int next = tok0 + Cfg::NUM_WAVES * Tl::TOKENS;
-    if (p.prefetch && next < end) cache.template prefetch_step<Tl::TOKENS>(next);
     float s[NS];
     Tl::qk(s, q, kv, smem);
 

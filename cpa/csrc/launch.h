@@ -66,13 +66,13 @@ int kernel_attributes(int which, int* out) {
                                int num_seqs, int num_heads, int num_kv_heads,                      \
                                int max_blocks_per_seq, int max_num_partitions,                     \
                                long long kv_block_stride, long long kv_head_stride,               \
-                               float scale_log2, float out_scale, int out_direct, int prefetch,           \
-                               int* counters, void* stream) {                                       \
+                               float scale_log2, float out_scale, int out_direct, int* counters,        \
+                               void* stream) {                                                      \
     cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, prefetch, counters, num_kv_heads};                                                                \
+                      out_direct, counters, num_kv_heads};                                                                \
     return cpa::launch_attention<CpaCfg>(p, num_seqs, num_kv_heads, stream);                      \
   }                                                                                                \
   extern "C" int cpa_reduce(void* out, const float* exp_sums, const float* max_logits,             \

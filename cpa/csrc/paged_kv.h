@@ -27,24 +27,6 @@ struct PagedKV {
     lb = lb < num_seq_blocks ? lb : num_seq_blocks - 1;
     return (int64_t)load_i32(block_table + lb) * block_stride;
   }
-  // Prefetch the K and V of the whole blocks holding tokens [tok0, tok0 + TOKENS) toward the
-  // L2, one 128-byte line per lane and iteration (a block's K, and its V, are contiguous).
-  template <int TOKENS>
-  CPA_DEVICE void prefetch_step(int tok0) const {
-    constexpr int BLOCK_BYTES = HEAD * BLOCK * ELEM;
-    constexpr int LINES = BLOCK_BYTES / 128;
-    constexpr int NB = TOKENS >= BLOCK ? TOKENS / BLOCK : 1;
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      const int tok = tok0 + b * BLOCK;
-      if (tok >= seq_len) break;
-      const int64_t boff = block_offset(tok);
-      for (int line = lane_id(); line < LINES; line += kWave) {
-        prefetch_l2(k + boff + line * 128);
-        prefetch_l2(v + boff + line * 128);
-      }
-    }
-  }
   // K[token][d .. d + X) for d a multiple of X, or the half chunk at d % X == X / 2.
   CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
     return k + boff + ((d / X) * BLOCK + token % BLOCK) * 16 + (d % X) * ELEM;

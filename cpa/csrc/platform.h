@@ -161,16 +161,6 @@ CPA_DEVICE uint32_t load4(const void* p) {
   return __ldg(reinterpret_cast<const unsigned int*>(p));
 #endif
 }
-// Ask the memory system to bring a 128-byte line toward the L2 now, without waiting for it:
-// a wave prefetches its next step while it computes this one, so DRAM stays busy.
-// NVIDIA: prefetch.global.L2. gfx9 (CDNA) has no data prefetch instruction: a no-op there.
-CPA_DEVICE void prefetch_l2(const void* p) {
-#if CPA_CUDA
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#else
-  (void)p;
-#endif
-}
 CPA_DEVICE int load_i32(const int* p) {
 #if CPA_HIP
   return *p;
