@@ -1,0 +1,316 @@
+"""Occupancy models (cpa.occupancy) and the shipped compiled tables (data/static/*.csv).
+
+* The CDNA compiler model equals clang's ``Occupancy [waves/SIMD]`` on every row of the
+  shipped gfx942 and gfx90a tables; the hardware model differs from it only where the
+  512-byte LDS allocation block changes how many workgroups fit (documented exception).
+* Hand-computed cases for the CDNA and Hopper calculators.
+* Grid-level numbers for a Llama-70B decode shape (64 query heads, 8 KV heads, head 128).
+* ``@pytest.mark.compile``: re-compiling a few variants reproduces the shipped resource
+  columns, so a kernel change that moves register use shows up.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cpa import hardware as hw
+from cpa import occupancy as O
+from cpa import variants as V
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "static"
+AMD_RESOURCE_COLS = ["vgprs", "agprs", "sgprs", "lds_bytes", "scratch_bytes", "spills", "waves_per_simd_compiler"]
+NV_RESOURCE_COLS = ["registers", "shared_bytes", "stack_bytes", "spills"]
+# what the shipped tables cover (data/static/README.md): every mfma16 / mfma4 variant, and the
+# scalar tiling at these heads caps only (its larger caps compile slowly)
+SCALAR_CAPS_SHIPPED = (1, 8)
+
+
+def _table(arch):
+    path = DATA / f"{arch}.csv"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: generate it with `python -m cpa static --arch {arch} --out {path}`")
+    return O.load_static_table(arch)
+
+
+# ------------------------------------------------------------------ compiled tables
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_compiler_model_matches_every_row(arch):
+    df = _table(arch)
+    assert set(df.kernel) == {"attention", "reduce"}
+    assert (df.arch == arch).all()
+    cmp = O.compare_cdna(df)
+    bad = cmp[cmp.compiler != cmp.compiler_model]
+    assert bad.empty, f"{len(bad)} of {len(cmp)} rows differ from the compiler:\n{bad.head(20).to_string()}"
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_hardware_model_differs_only_by_lds_blocks(arch):
+    """Where the hardware model is below the compiler, the LDS is binding and rounding it up
+    to 512-byte blocks removes a workgroup; everywhere else the two agree."""
+    df = _table(arch)
+    cmp = O.compare_cdna(df)
+    assert (cmp.hardware_model <= cmp.compiler).all()
+    diff = cmp[cmp.hardware_model != cmp.compiler]
+    for _, r in diff.iterrows():
+        lds = int(r.lds_bytes)
+        assert r.limit == "lds", r.to_dict()
+        assert 65536 // lds > 65536 // (math.ceil(lds / 512) * 512), r.to_dict()
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a", "sm_90"])
+def test_tables_complete(arch):
+    df = _table(arch)
+    platform = V.platform_of_arch(arch)
+    names = {v.name for v in V.all_variants(platform) if v.tiling != "scalar" or v.heads_cap in SCALAR_CAPS_SHIPPED}
+    got = set(df.variant)
+    assert got == names, f"{len(names - got)} documented variants missing, {len(got - names)} extra"
+    assert len(df) == 2 * len(got)
+    assert df.sources_digest.nunique() == 1  # one snapshot of cpa/csrc per table
+    if arch.startswith("gfx"):
+        assert (df.waves_per_simd_compiler >= 1).all()
+        assert (df.threads_per_block == 256).all()
+    else:
+        assert set(df.threads_per_block) == {128, 256}
+
+
+def test_sm90_table_occupancy_is_computable():
+    df = _table("sm_90")
+    for _, r in df.iterrows():
+        occ = O.hopper_row_occupancy(r)
+        assert 1 <= occ.blocks_per_sm <= 32, r.variant
+
+
+# ------------------------------------------------------------------ CDNA, by hand
+def test_cdna_registers_by_hand():
+    s = hw.MI300X
+    assert O.cdna_occupancy(64, 0, 20, 0, 256, s).waves_per_simd == 8  # 512 / 64
+    occ = O.cdna_occupancy(128, 0, 20, 0, 256, s)
+    assert (occ.waves_per_simd, occ.limit, occ.workgroups_per_cu) == (4, "vgprs", 4)  # 512 / 128
+    assert O.cdna_occupancy(130, 0, 20, 0, 256, s).waves_per_simd == 3  # 130 -> 136: 512 / 136 = 3.76
+    # AGPRs start at a multiple of 4: 65 -> 68, + 64 AGPRs = 132 -> 136 -> 3 waves
+    occ = O.cdna_occupancy(65, 64, 20, 0, 256, s)
+    assert (occ.total_vgprs, occ.allocated_vgprs, occ.waves_per_simd) == (132, 136, 3)
+    assert O.cdna_occupancy(64, 64, 20, 0, 256, s).waves_per_simd == 4  # 128 -> 4
+    assert O.cdna_occupancy(256, 256, 20, 0, 256, s).waves_per_simd == 1  # the whole 512-entry file
+    assert O.cdna_occupancy(170, 0, 20, 0, 256, s).waves_per_simd == 2  # 176: 512 / 176 = 2.9
+    assert O.cdna_occupancy(4, 0, 20, 0, 256, s).waves_per_simd == 8  # below one granule
+
+
+def test_cdna_sgprs_and_waves_by_hand():
+    s = hw.MI300X
+    occ = O.cdna_occupancy(32, 0, 102, 0, 256, s)
+    assert (occ.waves_per_simd, occ.limit) == (7, "sgprs")  # > 100 SGPRs: 7 waves
+    occ = O.cdna_occupancy(32, 0, 100, 0, 256, s)
+    assert (occ.waves_per_simd, occ.binding) == (8, ("vgprs", "sgprs", "lds", "workgroups", "waves"))
+    # 1024-thread workgroups: 16 waves over 4 SIMDs, 2 groups per CU fill the 32 wave slots
+    occ = O.cdna_occupancy(32, 0, 20, 0, 1024, s)
+    assert (occ.waves_per_simd, occ.workgroups_per_cu) == (8, 2)
+
+
+def test_cdna_lds_by_hand():
+    s = hw.MI300X
+    # mfma16, head 128: (2 x (16 x 128 + 32)) floats = 16640 B -> 3 workgroups of 4 waves per 64 KiB
+    occ = O.cdna_occupancy(64, 0, 30, 16640, 256, s)
+    assert (occ.waves_per_simd, occ.limit, occ.workgroups_per_cu, occ.lds_allocated) == (3, "lds", 3, 16896)
+    assert O.cdna_compiler_occupancy(64, 0, 30, 16640, 256, s) == 3
+    # 33024 B (mfma16, head 256): one workgroup per CU -> 1 wave per SIMD
+    assert O.cdna_occupancy(64, 0, 30, 33024, 256, s).waves_per_simd == 1
+    # 13000 B: the compiler divides 65536 by 13000 (5); the hardware allocates 13312 (4)
+    assert O.cdna_compiler_occupancy(64, 0, 30, 13000, 256, s) == 5
+    occ = O.cdna_occupancy(64, 0, 30, 13000, 256, s)
+    assert (occ.waves_per_simd, occ.lds_allocated) == (4, 13312)
+    # one-wave workgroups: 3 groups (20 KiB each) = 3 waves over 4 SIMDs -> at most 1 per SIMD
+    assert O.cdna_compiler_occupancy(2, 0, 14, 20480, 64, s) == 1
+    assert O.cdna_occupancy(2, 0, 14, 20480, 64, s).waves_per_simd == 1
+    # 1024-thread workgroups with 20 KiB: 2 groups (barrier/wave cap) -> 8 waves per SIMD
+    assert O.cdna_compiler_occupancy(2, 0, 14, 20480, 1024, s) == 8
+    with pytest.raises(ValueError):
+        O.cdna_occupancy(32, 0, 20, 70000, 256, s)
+
+
+def test_cdna_compiler_model_reproduces_llvm_probe():
+    """clang-19 -Rpass-analysis=kernel-resource-usage on a probe kernel (2 VGPRs, static LDS,
+    __launch_bounds__(WG)) printed these occupancies for gfx942 (see data/static/README.md)."""
+    for lds, wg, want in [(20480, 256, 3), (8192, 256, 8), (4000, 256, 8), (40000, 256, 1), (20480, 64, 1),
+                          (20480, 1024, 8), (2048, 64, 8), (1024, 128, 8)]:
+        assert O.cdna_compiler_occupancy(2, 0, 14, lds, wg, hw.MI300X) == want, (lds, wg)
+
+
+# ------------------------------------------------------------------ Hopper, by hand
+def test_hopper_registers_by_hand():
+    s = hw.H200
+    occ = O.hopper_occupancy(128, 0, 128, spec=s)  # 128 x 32 = 4096 per warp; 4 per sub-partition
+    assert (occ.blocks_per_sm, occ.limit, occ.warps_per_sm) == (4, "registers", 16)
+    occ = O.hopper_occupancy(32, 0, 128, spec=s)  # 1024 per warp: 64 warps fit, = the warp limit
+    assert (occ.blocks_per_sm, occ.binding) == (16, ("registers", "warps"))
+    assert O.hopper_occupancy(255, 0, 128, spec=s).blocks_per_sm == 2  # 8160 -> 8192: 2 warps / sub-partition
+    assert O.hopper_occupancy(168, 0, 256, spec=s).blocks_per_sm == 1  # 5376 per warp: 3 x 4 = 12 warps
+    assert O.hopper_occupancy(90, 0, 128, spec=s).blocks_per_sm == 5  # 2880 -> 3072: 5 per sub-partition
+    assert O.hopper_occupancy(72, 0, 256, spec=s).blocks_per_sm == 3  # 2304: 7 x 4 = 28 warps / 8
+    occ = O.hopper_occupancy(16, 0, 32, spec=s)
+    assert (occ.blocks_per_sm, occ.limit) == (32, "blocks")
+
+
+def test_hopper_shared_by_hand():
+    s = hw.H200
+    # 40000 B static + 1 KiB reserved = 41024 -> 41088 (128 B units); 228 KiB / 41088 = 5
+    occ = O.hopper_occupancy(64, 40000, 128, spec=s)
+    assert (occ.blocks_per_sm, occ.limit, occ.smem_per_block) == (5, "shared", 41088)
+    # a kernel without shared memory still takes the 1 KiB reservation
+    assert O.hopper_occupancy(32, 0, 128, spec=s).smem_per_block == 1024
+    # scalar tiling, cap 16, head 256: max(2 x (16 x 256 + 32), (16 x 256 + 4 x 16 x 32)) floats
+    occ = O.hopper_occupancy(64, 33024, 128, spec=s)
+    assert occ.smem_per_block == 34048 and occ.by_shared == 6
+    # a carveout preference below one block is raised to the smallest carveout that holds it
+    occ = O.hopper_occupancy(32, 40000, 128, spec=s, carveout_bytes=32 * 1024)
+    assert (occ.smem_per_sm, occ.blocks_per_sm) == (64 * 1024, 1)
+
+
+# ------------------------------------------------------------------ grid level
+LLAMA70B = dict(num_heads=64, num_kv_heads=8)
+
+
+def _synthetic(arch):
+    """Resources chosen so that the resident counts are known by hand."""
+    if arch == "gfx942":  # LDS-bound at 3 workgroups per CU (mfma16 head 128)
+        att = dict(vgprs=100, agprs=0, sgprs=40, lds_bytes=16640, threads_per_block=256)
+        red = dict(vgprs=24, agprs=0, sgprs=30, lds_bytes=4112, threads_per_block=256)
+    else:  # register-bound at 4 blocks of 128 threads
+        att = dict(registers=128, shared_bytes=16640, threads_per_block=128)
+        red = dict(registers=32, shared_bytes=4112, threads_per_block=256)
+    return att, red
+
+
+@pytest.mark.parametrize("partition_size", [64, 128, 256, 512, 1024])
+def test_grid_llama70b_mi300x_by_hand(partition_size):
+    att, red = _synthetic("gfx942")
+    v = V.Variant("mfma16", partition_size, 128, 16, "fp16", "auto", 16, "hip")
+    g = O.grid_occupancy(variant=v, num_seqs=1, max_seq_len=8192, attention=att, reduce=red, arch="gfx942",
+                         **LLAMA70B)
+    parts = 8192 // partition_size
+    assert g.partitions == parts
+    assert g.workgroups == parts * 8
+    assert (g.resident_per_cu, g.limit, g.compute_units, g.slots) == (3, "lds", 304, 912)
+    assert g.waves == math.ceil(parts * 8 / 912)
+    assert g.full_waves == (parts * 8) // 912 and g.tail_workgroups == (parts * 8) % 912
+    assert g.wave_efficiency == pytest.approx(parts * 8 / (g.waves * 912))
+    assert g.reduce_workgroups == 64 and g.reduce_threads == 256
+    assert g.reduce_resident_per_cu == 8  # 4112 B of LDS, 4-wave groups: 8 per CU (wave limit)
+    assert g.partials_bytes == 2 * 1 * 64 * parts * (128 + 2) * 4
+    assert g.partials_bytes_written == g.partials_bytes_read == g.partials_bytes // 2
+
+
+def test_grid_llama70b_batch_tail():
+    att, red = _synthetic("gfx942")
+    v = V.Variant("mfma16", 256, 128, 16, "fp16", "auto", 16, "hip")
+    # 32 x 16 partitions x 8 KV heads = 4096 workgroups over 912 slots: 4 full waves + 448
+    g = O.grid_occupancy(variant=v, num_seqs=32, max_seq_len=4096, attention=att, reduce=red, arch="gfx942",
+                         **LLAMA70B)
+    assert (g.workgroups, g.full_waves, g.tail_workgroups, g.waves) == (4096, 4, 448, 5)
+    assert g.wave_efficiency == pytest.approx(4096 / 4560)
+    assert g.reduce_workgroups == 2048 and g.reduce_waves == 1  # 8 x 304 = 2432 slots
+    # H200: 4096 workgroups over 4 x 132 = 528 slots: 7 full waves + 400
+    att, red = _synthetic("sm_90")
+    v = V.Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
+    g = O.grid_occupancy(variant=v, num_seqs=32, max_seq_len=4096, attention=att, reduce=red, arch="sm_90",
+                         **LLAMA70B)
+    assert (g.slots, g.full_waves, g.tail_workgroups, g.waves) == (528, 7, 400, 8)
+    assert g.reduce_resident_per_cu == 8  # 32 registers x 256 threads: 64 warps / 8
+
+
+def test_grid_single_partition_has_no_reduce():
+    att, red = _synthetic("gfx942")
+    v = V.Variant("mfma16", 1024, 128, 16, "fp16", "auto", 16, "hip")
+    g = O.grid_occupancy(variant=v, num_seqs=4, max_seq_len=1000, attention=att, reduce=red, arch="gfx942",
+                         **LLAMA70B)
+    assert (g.partitions, g.workgroups, g.reduce_launched, g.reduce_workgroups, g.partials_bytes) == (
+        1, 32, False, 0, 0)
+    assert g.cu_fill == pytest.approx(32 / 912)
+    with pytest.raises(ValueError):  # GQA 8 does not fit mfma4's cap of 4
+        O.grid_occupancy(variant=V.Variant("mfma4", 256, 128, 16, "fp16", "auto", 4, "hip"), num_seqs=1,
+                         max_seq_len=1024, attention=att, reduce=red, arch="gfx942", **LLAMA70B)
+
+
+@pytest.mark.parametrize("arch,cap", [("gfx942", 16), ("gfx90a", 16), ("sm_90", 8)])
+def test_grid_llama70b_from_shipped_tables(arch, cap):
+    """Partition sizes 64..1024 with the compiled resources of the mfma16 variants."""
+    df = _table(arch)
+    spec = hw.spec_for(arch)
+    prev = None
+    for p in V.PARTITION_SIZES:
+        v = V.Variant("mfma16", p, 128, 16, "fp16", "auto", cap, V.platform_of_arch(arch))
+        g = O.grid_from_table(df, v, num_seqs=8, max_seq_len=32768, **LLAMA70B)
+        assert g.partitions == 32768 // p and g.workgroups == 8 * g.partitions * 8
+        assert g.slots == g.resident_per_cu * spec.compute_units and g.resident_per_cu >= 1
+        assert g.full_waves * g.slots + g.tail_workgroups == g.workgroups
+        assert g.waves == g.full_waves + (g.tail_workgroups > 0)
+        assert 0 < g.wave_efficiency <= 1
+        assert g.reduce_workgroups == 8 * 64 and g.reduce_resident_per_cu >= 1
+        assert g.partials_bytes == 2 * 8 * 64 * g.partitions * 130 * 4
+        if prev is not None:
+            assert g.partials_bytes * 2 == prev.partials_bytes
+        prev = g
+
+
+# ------------------------------------------------------------------ specs
+def test_specs_are_consistent():
+    for s in (hw.MI300X, hw.MI250X_GCD):
+        # VGPR file per CU (ROCm table: 512 KiB) = 512 registers x 4 B x 64 lanes x 4 SIMDs
+        assert s.vgprs_per_lane * 4 * s.wave_size * s.simds_per_cu == 512 * 1024
+        assert s.sgprs_per_simd * 4 * s.simds_per_cu == 12.5 * 1024  # ROCm table: 12.5 KiB
+        assert s.max_waves_per_cu == s.max_waves_per_simd * s.simds_per_cu
+    assert hw.MI300X.compute_units * hw.MI300X.matrix_fp16_flops_per_clk_per_cu * hw.MI300X.clock_mhz * 1e6 \
+        == pytest.approx(hw.MI300X.matrix_fp16_tflops * 1e12, rel=1e-3)
+    assert hw.MI250X_GCD.compute_units * 1024 * 1.7e9 == pytest.approx(hw.MI250X_GCD.matrix_fp16_tflops * 1e12,
+                                                                      rel=1e-3)
+    for s in (hw.H100_SXM, hw.H200):
+        assert s.regs_per_sm // s.simds_per_cu == 16384
+        assert s.max_warps_per_sm * s.wave_size == 2048
+        assert s.compute_units * s.matrix_fp16_flops_per_clk_per_cu * s.clock_mhz * 1e6 == pytest.approx(
+            s.matrix_fp16_tflops * 1e12, rel=1e-3)
+    assert hw.spec_for("gfx942") is hw.MI300X and hw.spec_for("sm_90") is hw.H200
+    with pytest.raises(ValueError):
+        hw.spec_for("gfx1100")
+
+
+# ------------------------------------------------------------------ re-compile a subset
+def _subset(platform):
+    def v(t, p, h, b, dt, kv, cap):
+        return V.Variant(t, p, h, b, dt, kv, cap, platform)
+
+    c16, c4 = (16, 4) if platform == "hip" else (8, 16)
+    # three translation units (tiling x dtype x KV dtype x cap) of two variants each
+    return [v("mfma16", 256, 128, 16, "fp16", "auto", c16), v("mfma16", 1024, 256, 32, "fp16", "auto", c16),
+            v("mfma4", 256, 128, 16, "bf16", "fp8", c4), v("mfma4", 64, 64, 16, "bf16", "fp8", c4),
+            v("scalar", 256, 128, 16, "fp16", "auto", 1), v("scalar", 512, 64, 32, "fp16", "auto", 1)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["gfx942", "sm_90"])
+def test_recompiled_resources_match_shipped_table(arch):
+    from cpa import static as S
+
+    if arch.startswith("gfx"):
+        if not any(shutil.which(c) for c in S.CLANG_CANDIDATES):
+            pytest.skip("clang-19 not installed")
+        cols = AMD_RESOURCE_COLS
+    else:
+        if not shutil.which("nvcc"):
+            pytest.skip("nvcc not on PATH")
+        cols = NV_RESOURCE_COLS
+    shipped = _table(arch).set_index(["variant", "kernel"])
+    fresh = S.compile_variants(_subset(V.platform_of_arch(arch)), arch, progress=False).set_index(
+        ["variant", "kernel"])
+    hint = ""
+    if fresh.sources_digest.iloc[0] != shipped.sources_digest.iloc[0]:
+        hint = (f"\ncpa/csrc changed since data/static/{arch}.csv was generated (sources "
+                f"{shipped.sources_digest.iloc[0]} -> {fresh.sources_digest.iloc[0]}): regenerate it with "
+                f"`python -m cpa static --arch {arch} --out data/static/{arch}.csv` (see data/static/README.md)")
+    got = fresh[cols]
+    want = shipped.loc[got.index, cols]
+    diff = got.compare(want, result_names=("recompiled", "shipped"))
+    assert diff.empty, f"resource columns moved:\n{diff.to_string()}{hint}"
