@@ -28,7 +28,9 @@ Every value carries its source in a comment. Abbreviations:
   227 KB per block, 50 MB L2 on H100).
 * [DS-*]        vendor datasheet (marketing) numbers: peak, not measured. Labelled "datasheet".
 * [measured-H200] ``/work/shared/README.md``: measured on this project's H200 (132 SMs,
-  60 MiB L2 as the device reports it, 4.56 TB/s read-only ceiling).
+  60 MiB L2 as the device reports it, 4.56 TB/s read-only ceiling). torch's device
+  properties there (2026-12-02, driver 580.159.04) also read: 65536 registers per SM,
+  233472 B (228 KiB) shared memory per SM, 232448 B (227 KiB) opt-in per block, 62914560 B L2.
 
 Nothing here is measured on an MI300 or MI250.
 """
