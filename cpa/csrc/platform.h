@@ -310,33 +310,23 @@ typedef _Float16 cpa_half4 __attribute__((ext_vector_type(4)));
 typedef short cpa_short4 __attribute__((ext_vector_type(4)));
 typedef float cpa_float4 __attribute__((ext_vector_type(4)));
 
-// v_mfma_f32_16x16x16{f16,bf16}: a, b: 4 16-bit values as two packed registers.
-template <class T>
-CPA_DEVICE void mfma_16x16x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
-  cpa_float4 acc = {c[0], c[1], c[2], c[3]};
+// v_mfma_f32_16x16x16{f16,bf16} (one 16x16x16 block) and v_mfma_f32_4x4x4{f16,bf16} with
+// 16 blocks (lane l in block l/4). a, b: four 16-bit values as two packed registers.
+enum class MfmaShape { k16x16x16, k4x4x4_16b };
+
+template <MfmaShape S, class T>
+CPA_DEVICE void mfma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
   typedef uint32_t v2u __attribute__((ext_vector_type(2)));
-  v2u av = {a0, a1}, bv = {b0, b1};
-  if constexpr (T::is_bf16) {
-    acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(__builtin_bit_cast(cpa_short4, av),
-                                                   __builtin_bit_cast(cpa_short4, bv), acc, 0, 0, 0);
-  } else {
-    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(cpa_half4, av),
-                                               __builtin_bit_cast(cpa_half4, bv), acc, 0, 0, 0);
-  }
-  c[0] = acc[0]; c[1] = acc[1]; c[2] = acc[2]; c[3] = acc[3];
-}
-// v_mfma_f32_4x4x4{f16,bf16} with 16 blocks: lane l is in block l/4.
-template <class T>
-CPA_DEVICE void mfma_4x4x4_16b(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0, uint32_t b1) {
   cpa_float4 acc = {c[0], c[1], c[2], c[3]};
-  typedef uint32_t v2u __attribute__((ext_vector_type(2)));
-  v2u av = {a0, a1}, bv = {b0, b1};
-  if constexpr (T::is_bf16) {
-    acc = __builtin_amdgcn_mfma_f32_4x4x4bf16_1k(__builtin_bit_cast(cpa_short4, av),
-                                                __builtin_bit_cast(cpa_short4, bv), acc, 0, 0, 0);
+  const v2u av = {a0, a1}, bv = {b0, b1};
+  const cpa_short4 as = __builtin_bit_cast(cpa_short4, av), bs = __builtin_bit_cast(cpa_short4, bv);
+  const cpa_half4 ah = __builtin_bit_cast(cpa_half4, av), bh = __builtin_bit_cast(cpa_half4, bv);
+  if constexpr (S == MfmaShape::k16x16x16) {
+    if constexpr (T::is_bf16) acc = __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(as, bs, acc, 0, 0, 0);
+    else acc = __builtin_amdgcn_mfma_f32_16x16x16f16(ah, bh, acc, 0, 0, 0);
   } else {
-    acc = __builtin_amdgcn_mfma_f32_4x4x4f16(__builtin_bit_cast(cpa_half4, av),
-                                            __builtin_bit_cast(cpa_half4, bv), acc, 0, 0, 0);
+    if constexpr (T::is_bf16) acc = __builtin_amdgcn_mfma_f32_4x4x4bf16_1k(as, bs, acc, 0, 0, 0);
+    else acc = __builtin_amdgcn_mfma_f32_4x4x4f16(ah, bh, acc, 0, 0, 0);
   }
   c[0] = acc[0]; c[1] = acc[1]; c[2] = acc[2]; c[3] = acc[3];
 }

@@ -266,7 +266,7 @@ struct Mfma16Tiles {
       for (int p = 0; p < KG; ++p)
 #pragma unroll
         for (int j = 0; j < KR / 2; ++j)
-          mfma_16x16x16<T>(acc, kv.k[i][p][2 * j], kv.k[i][p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
+          mfma<MfmaShape::k16x16x16, T>(acc, kv.k[i][p][2 * j], kv.k[i][p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
     }
   }
   CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
@@ -280,7 +280,7 @@ struct Mfma16Tiles {
     for (int m = 0; m < MT; ++m) {
       float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[4 * m]);
 #pragma unroll
-      for (int i = 0; i < 2; ++i) mfma_16x16x16<T>(acc, kv.v[m][2 * i], kv.v[m][2 * i + 1], pb[i][0], pb[i][1]);
+      for (int i = 0; i < 2; ++i) mfma<MfmaShape::k16x16x16, T>(acc, kv.v[m][2 * i], kv.v[m][2 * i + 1], pb[i][0], pb[i][1]);
     }
   }
   static constexpr int SMEM_BYTES = 0;
@@ -364,14 +364,14 @@ struct Mfma4Tiles {
 #pragma unroll
     for (int p = 0; p < KL; ++p)
 #pragma unroll
-      for (int j = 0; j < KR / 2; ++j) mfma_4x4x4_16b<T>(s, kv.k[p][2 * j], kv.k[p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
+      for (int j = 0; j < KR / 2; ++j) mfma<MfmaShape::k4x4x4_16b, T>(s, kv.k[p][2 * j], kv.k[p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
   }
   CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
     const uint32_t b0 = T::pack(pf[0], pf[1]), b1 = T::pack(pf[2], pf[3]);
 #pragma unroll
     for (int m = 0; m < MG; ++m) {
       float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[4 * m]);
-      mfma_4x4x4_16b<T>(acc, kv.v[m][0], kv.v[m][1], b0, b1);
+      mfma<MfmaShape::k4x4x4_16b, T>(acc, kv.v[m][0], kv.v[m][1], b0, b1);
     }
   }
   static constexpr int SMEM_BYTES = 0;
