@@ -66,7 +66,6 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
 
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
         replays=30, sdpa=True, fused=True, out_csv=None, progress=True):
-    import pandas as pd
     import torch
 
     from . import ceilings, reference, variants as V

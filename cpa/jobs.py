@@ -91,16 +91,6 @@ def build_time_main() -> dict:
     return res
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["buildtime"]:
-        build_time_main()
-    elif sys.argv[1:2] == ["profile-one"]:
-        a = sys.argv[2:]
-        profile_one(a[0], int(a[1]), int(a[2]), int(a[3]))
-    else:
-        prebuild_main(sys.argv[1] if len(sys.argv) > 1 else "tests", None)
-
-
 def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int = 8, context: int = 32768) -> None:
     """Run one Llama-70B decode call a few times: a target for `ncu -k regex:paged_attention`."""
     import torch
@@ -115,3 +105,13 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
     for _ in range(3):
         launch()
     torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["buildtime"]:
+        build_time_main()
+    elif sys.argv[1:2] == ["profile-one"]:
+        a = sys.argv[2:]
+        profile_one(a[0], int(a[1]), int(a[2]), int(a[3]))
+    else:
+        prebuild_main(sys.argv[1] if len(sys.argv) > 1 else "tests", None)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +143,3 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out
     return launch.out
 
-
-def max_num_partitions(max_seq_len: int, partition_size: int) -> int:
-    return math.ceil(max_seq_len / partition_size)
