@@ -19,7 +19,6 @@ Sources of every constant: ``cpa/hardware.py``. Nothing here is measured on an M
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from . import hardware as hw
