@@ -87,25 +87,32 @@ def parse_amd_remarks(stderr: str) -> dict[str, dict]:
     return res
 
 
-def split_amd_functions(asm: str) -> dict[str, list[str]]:
-    """-S output -> {function: [instruction mnemonics]} (code between the label and .Lfunc_end)."""
+def _split_functions(text: str, start: str, is_end, is_code) -> dict[str, list[str]]:
+    """{function: [first token of each code line]} for the lines between a `start` match
+    (group 1 names the function) and the line for which `is_end` holds."""
     funcs: dict[str, list[str]] = {}
     cur = None
-    for line in asm.splitlines():
-        m = re.match(r"^(_Z\S+):", line)
+    for line in text.splitlines():
+        m = re.match(start, line)
         if m:
             cur = funcs.setdefault(m.group(1), [])
             continue
         if cur is None:
             continue
-        if line.startswith(".Lfunc_end"):
+        if is_end(line):
             cur = None
             continue
         s = line.strip()
-        if not s or s[0] in ".;" or s.endswith(":"):
-            continue
-        cur.append(s.split()[0])
+        if s and is_code(s):
+            cur.append(s)
     return funcs
+
+
+def split_amd_functions(asm: str) -> dict[str, list[str]]:
+    """-S output -> {function: [instruction mnemonics]} (code between the label and .Lfunc_end)."""
+    funcs = _split_functions(asm, r"^(_Z\S+):", lambda ln: ln.startswith(".Lfunc_end"),
+                             lambda s: s[0] not in ".;" and not s.endswith(":"))
+    return {f: [s.split()[0] for s in lines] for f, lines in funcs.items()}
 
 
 def amd_mix(mnemonics: list[str]) -> dict[str, int]:
@@ -147,25 +154,18 @@ def parse_ptxas(stderr: str) -> dict[str, dict]:
 
 
 def split_ptx_entries(ptx: str) -> dict[str, list[str]]:
-    funcs: dict[str, list[str]] = {}
-    cur = None
-    for line in ptx.splitlines():
-        m = re.match(r"^\.(?:visible\s+)?\.entry\s+(\S+)\(", line)
-        if m:
-            cur = funcs.setdefault(m.group(1), [])
-            continue
-        if cur is None:
-            continue
-        if line.startswith("}"):
-            cur = None
-            continue
-        s = line.strip()
-        if not s or s.startswith(("//", ".", "{", "}", "$")) or s.endswith(":"):
-            continue
-        if s.startswith("@"):
-            s = s.split(None, 1)[1] if " " in s else s
-        cur.append(s.split()[0].rstrip(";"))
-    return funcs
+    """PTX -> {entry: [opcodes]} (guard predicates @p dropped)."""
+    funcs = _split_functions(ptx, r"^\.(?:visible\s+)?\.entry\s+(\S+)\(", lambda ln: ln.startswith("}"),
+                             lambda s: not s.startswith(("//", ".", "{", "}", "$")) and not s.endswith(":"))
+    out = {}
+    for f, lines in funcs.items():
+        ops = []
+        for s in lines:
+            if s.startswith("@"):
+                s = s.split(None, 1)[1] if " " in s else s
+            ops.append(s.split()[0].rstrip(";"))
+        out[f] = ops
+    return out
 
 
 def ptx_mix(ops: list[str]) -> dict[str, int]:
