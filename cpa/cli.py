@@ -206,6 +206,8 @@ def sweep(
     runner: str = typer.Option("auto", help="auto, cuda, cpu (the reference as the timed op) or module:attr."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="tqdm progress bar with ETA."),
     dry_run: bool = typer.Option(False, help="print the points and the row count, run nothing."),
+    ceilings_json: Optional[str] = typer.Option(None, help="also add this run's measured read/copy ceilings "
+                                                           "(with provenance) to this JSON file."),
 ) -> None:
     """Sweep a grid of decode shapes x tilings x partition sizes (plus peers) into a parquet table.
 
@@ -228,7 +230,7 @@ def sweep(
     r = SW.make_runner(runner, replays=replays, peers=_strs(peer_names))
     try:
         df = SW.run_sweep(g, out, runner=r, resume=resume, overwrite=overwrite, retry_errors=retry_errors,
-                          peers=peers, progress=progress, echo=typer.echo)
+                          peers=peers, progress=progress, echo=typer.echo, ceilings_json=ceilings_json)
     except FileExistsError as e:
         raise typer.BadParameter(str(e), param_hint="--out") from None
     mine = df[df.grid == g.name]
@@ -238,3 +240,22 @@ def sweep(
     typer.echo(f"\n{len(mine)} rows of grid {g.name} in {out} ({len(df)} in the file); "
                f"verified {int(mine.verified.sum())}, failed {int(errs.sum())}, "
                f"unsupported {int(mine.error.fillna('').astype(str).str.startswith(SW.UNSUPPORTED).sum())}")
+
+
+@app.command("sweep-spread")
+def sweep_spread(
+    a: str = typer.Argument(..., help="results parquet of one run."),
+    b: str = typer.Argument(..., help="results parquet of a repeat of (some of) its rows."),
+    limit: float = typer.Option(0.03, help="the spread (|a - b| / min) a row may show."),
+) -> None:
+    """Timing repeatability: the same (point, variant) rows in two sweep runs, side by side."""
+    from . import sweep as SW
+
+    m = SW.repeat_spread(SW.read_results(a)[0], SW.read_results(b)[0])
+    if not len(m):
+        raise typer.BadParameter("no verified row is in both files")
+    typer.echo(m.head(15).to_string(index=False))
+    q = m.spread.quantile([0.5, 0.95]).tolist()
+    over = int((m.spread > limit).sum())
+    typer.echo(f"\n{len(m)} rows in both: spread median {q[0]:.2%}, p95 {q[1]:.2%}, max {m.spread.max():.2%}; "
+               f"{over} over {limit:.0%}")

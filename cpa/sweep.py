@@ -677,6 +677,31 @@ class CudaRunner:
                      "read_method": ceil["read_method"], "arch": arch, "platform": platform}
         return self.meta
 
+    def prebuild(self, rows: Sequence[tuple[Point, RowVariant]]) -> dict:
+        """Compile every CPA variant the rows need, in parallel processes, before the first point.
+
+        The sweep would otherwise build them one at a time as it reaches them; the result is
+        the same (the disk cache), only sooner. Variants that do not exist are left to the row."""
+        from . import variants as V
+        from .jit import prebuild
+
+        platform, arch = self.meta.get("platform"), self.meta.get("arch")
+        vs = []
+        for pt, v in rows:
+            if v.peer:
+                continue
+            try:
+                vs.append(V.variant_for(tiling=v.tiling, partition_size=v.partition_size, head_size=pt.head_size,
+                                        block_size=pt.block_size, dtype=pt.dtype, kv_cache_dtype=pt.kv_cache_dtype,
+                                        gqa_ratio=pt.gqa_ratio, platform=platform))
+            except ValueError:
+                continue
+        vs = list(dict.fromkeys(vs))
+        t0 = time.perf_counter()
+        res = prebuild(vs, arch, progress=False) if vs else []
+        return {"variants": len(vs), "compiled": sum(not r["from_cache"] and not r["error"] for r in res),
+                "errors": sum(bool(r["error"]) for r in res), "seconds": time.perf_counter() - t0}
+
     def peer_variants(self):
         from . import peers as P
 
@@ -1087,15 +1112,35 @@ def _new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}-{random.getrandbits(24):06x}"
 
 
+def write_ceilings(path: str | os.PathLike, run: Mapping) -> dict:
+    """Add one run's measured ceilings (and its provenance) to a JSON file; atomic replace.
+
+    The file holds ``{"schema_version", "runs": [...]}``, one entry per sweep run (keyed by
+    ``run_id``: a resumed run adds its own entry, as it measured again)."""
+    path = Path(path)
+    doc = {"schema_version": SCHEMA_VERSION, "runs": []}
+    if path.exists():
+        doc = json.loads(path.read_text())
+    entry = {"run_id": run["run_id"], "grid": run.get("grid"), "started": run.get("started"),
+             **{k: run.get("ceilings", {}).get(k) for k in ("read_gbps", "copy_gbps", "read_method")},
+             **{k: run.get("provenance", {}).get(k) for k in (
+                 "device_name", "driver_version", "torch_version", "git_commit", "command")}}
+    doc["runs"] = [r for r in doc.get("runs", []) if r.get("run_id") != entry["run_id"]] + [entry]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write_bytes(path, (json.dumps(doc, indent=1) + "\n").encode())
+    return doc
+
+
 def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None = None, resume: bool = False,
               overwrite: bool = False, retry_errors: bool = False, tilings: Sequence[str] | None = None,
               partition_sizes: Sequence[int] | None = None, peers: bool = True, progress: bool = True,
-              echo: Callable[[str], None] = print):
+              echo: Callable[[str], None] = print, ceilings_json: str | os.PathLike | None = None):
     """Run (or resume) a sweep into ``out`` (parquet); returns the whole table as a DataFrame.
 
     Without ``resume`` an existing ``out`` (or journal) is an error unless ``overwrite``.
     With ``resume`` the rows already there are skipped (``retry_errors``: except rows that
-    failed for a reason other than the variant being unsupported).
+    failed for a reason other than the variant being unsupported). ``ceilings_json``: also
+    record this run's measured read/copy ceilings there (:func:`write_ceilings`).
     """
     from .provenance import now, provenance
 
@@ -1128,6 +1173,8 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
                "replays": getattr(runner, "replays", None), "peers": [v.tiling for v in peer_rows],
                "peers_skipped": skipped}
         store.add_run(run)
+        if ceilings_json:
+            write_ceilings(ceilings_json, run)
         echo(f"sweep {grid.name}: {len(grid.points)} points x {len(variants)} variants on {runner.name} "
              f"({prov['device_name']}, {meta.get('arch')}); read ceiling {read_gbps:.0f} GB/s "
              f"({meta.get('read_method')}); run {run_id}")
@@ -1142,6 +1189,10 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
         total = sum(len(vs) for _, vs in todo)
         if resume:
             echo(f"sweep: resuming: {len(grid.points) * len(variants) - total} rows already done, {total} to run")
+        if total and hasattr(runner, "prebuild"):  # parallel cold builds up front (cached ones cost nothing)
+            pb = runner.prebuild([(pt, v) for pt, vs in todo for v in vs])
+            echo(f"sweep: prebuilt {pb['variants']} variants in {pb['seconds']:.1f} s "
+                 f"({pb['compiled']} compiled, {pb['errors']} errors)")
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc=f"sweep {grid.name}", unit="row", disable=not progress, dynamic_ncols=True)
@@ -1259,6 +1310,21 @@ def summary_table(df):
         line["verified"] = f"{int(ran.verified.sum())}/{len(ran)}"
         lines.append(line)
     return pd.DataFrame(lines)
+
+
+def repeat_spread(a, b):
+    """Rows timed in both tables (same key, both verified): the two medians and their spread.
+
+    ``spread`` = |a - b| / min(a, b). For the 'same point twice' check of a sweep."""
+    import pandas as pd
+
+    cols = list(KEY) + ["time_us", "num_seqs", "max_seq_len"]
+    ok = lambda d: d[d.verified.astype(bool) & d.error.isna() & d.time_us.notna()][cols]  # noqa: E731
+    m = ok(a).merge(ok(b)[list(KEY) + ["time_us"]], on=list(KEY), suffixes=("_a", "_b"))
+    if not len(m):
+        return pd.DataFrame(columns=cols + ["time_us_a", "time_us_b", "spread"])
+    m["spread"] = (m.time_us_a - m.time_us_b).abs() / m[["time_us_a", "time_us_b"]].min(axis=1)
+    return m.sort_values("spread", ascending=False).reset_index(drop=True)
 
 
 def _cpa_tilings():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, prebuild, test, sanitize, bench.
+# folder), logs too. Steps: env, fi, prebuild, buildtime, test, sanitize, ncu1, ab, ab-old,
+# bench, sweep:<grid>, repeat.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -15,6 +16,17 @@ for step in "$@"; do
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
       nvcc --version | tail -1; ncu --version | tail -1; compute-sanitizer --version | tail -1
       ;;
+    fi)
+      # FlashInfer as an optional peer: the pruned site tarball carried in .peers/ (see README)
+      tgz=.peers/flashinfer-0.7.2.post1-pruned-site.tgz
+      if [ -f "$tgz" ]; then
+        mkdir -p /tmp/fi && tar xzf "$tgz" -C /tmp/fi
+        export PYTHONPATH="$PYTHONPATH:/tmp/fi/site" FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a
+        $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+      else
+        echo "no $tgz: the flashinfer peer will be skipped"
+      fi
+      ;;
     prebuild)
       $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -12
       ;;
@@ -22,7 +34,7 @@ for step in "$@"; do
       $PY -m cpa.jobs buildtime
       ;;
     test)
-      CPA_VERIFY_CSV="$OUT/verification.csv" timeout 480 $PY -m pytest -p cpa.testing -m gpu tests -q -rs \
+      CPA_VERIFY_CSV="$OUT/verification.csv" timeout 480 $PY -m pytest -p cpa.testing -m gpu ${CPA_PYTEST_PATHS:-tests} -q -rs \
         --tb=short ${CPA_PYTEST_ARGS:-} 2>&1 | tail -60
       ;;
     sanitize)
@@ -42,6 +54,40 @@ for step in "$@"; do
       # A/B of two kernel knobs against the default build, mfma16 only
       CPA_NVCC_FLAGS="-DCPA_MIN_BLOCKS=3" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench --tilings mfma16" \
         $PY -m cpa bench --tilings mfma16 --no-fused --out "$OUT/ab-minblocks3.csv" 2>&1 | grep -A30 "best_us" | head -20
+      ;;
+    ab-old)
+      # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this
+      # one, back to back: is a kernel difference between them real?
+      for d in .ab/*/; do
+        rev=$(basename "$d")
+        (cd "$d" && CPA_GIT_COMMIT=$rev PYTHONPATH="$PWD" timeout 200 $PY -m cpa bench --tilings mfma16 --no-sdpa \
+          ${CPA_AB_ARGS:-} --out "$OUT/ab-$rev.csv" 2>&1 | grep -A25 "best_us" | head -20)
+      done
+      timeout 200 $PY -m cpa bench --tilings mfma16 --no-sdpa --no-fused ${CPA_AB_ARGS:-} --out "$OUT/ab-head.csv" 2>&1 \
+        | grep -A25 "best_us" | head -20
+      ;;
+    sweep:*)
+      # one named grid into $OUT/sweeps (resuming what data/sweeps already holds for it)
+      g=${step#sweep:}; mkdir -p "$OUT/sweeps"
+      f="$OUT/sweeps/h200-$g.parquet"
+      [ -f "data/sweeps/h200-$g.parquet" ] && cp "data/sweeps/h200-$g.parquet" "$f"
+      [ -f data/sweeps/h200-ceilings.json ] && [ ! -f "$OUT/sweeps/h200-ceilings.json" ] && \
+        cp data/sweeps/h200-ceilings.json "$OUT/sweeps/"
+      t0=$SECONDS
+      CPA_COMMAND="python3 -m cpa sweep --grid $g --out data/sweeps/h200-$g.parquet --resume --ceilings-json data/sweeps/h200-ceilings.json" \
+        timeout ${CPA_SWEEP_TIMEOUT:-540} $PY -m cpa sweep --grid "$g" --out "$f" --resume --no-progress \
+        --ceilings-json "$OUT/sweeps/h200-ceilings.json" > "$OUT/sweeps/h200-$g.log" 2>&1
+      echo "sweep $g rc=$? wall $((SECONDS - t0)) s"; grep -v "^sweep: prebuilt\|Warning" "$OUT/sweeps/h200-$g.log" | tail -70
+      ;;
+    repeat)
+      # the same rows twice: timing repeatability (medians within 3%?)
+      mkdir -p "$OUT/sweeps"
+      for i in 1 2; do
+        CPA_COMMAND="python3 -m cpa sweep --grid llama70b-decode --tilings mfma16 --partition-sizes 256,512 --no-peers (repeat $i)" \
+          timeout 200 $PY -m cpa sweep --grid llama70b-decode --tilings mfma16 --partition-sizes 256,512 --no-peers \
+          --no-progress --out "$OUT/sweeps/repeat-$i.parquet" > "$OUT/sweeps/repeat-$i.log" 2>&1; echo "repeat $i rc=$?"
+      done
+      $PY -m cpa sweep-spread "$OUT/sweeps/repeat-1.parquet" "$OUT/sweeps/repeat-2.parquet" 2>&1 | tail -25
       ;;
     bench)
       timeout 540 $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} 2>&1 | tail -80
