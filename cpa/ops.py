@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import variants as V
-from .jit import BuiltKernel, build, device_arch
+from .jit import BuiltKernel, build, device_arch, extra_flags
 from .validation import PagedAttentionShape, validate_paged_attention_args
 
 LOG2E = 1.4426950408889634
@@ -102,6 +102,8 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     kv_head_stride = D * shape.block_size * kv_elem
     kv_block_stride = shape.num_kv_heads * kv_head_stride
     fused = bool(fused_reduce) and num_partitions > 1
+    if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
+        raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
     # per-Launch counters: zeroed once, reset by the kernel itself, so graph replays reuse them
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32, device=dev) if fused else None
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731

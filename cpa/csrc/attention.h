@@ -14,6 +14,11 @@ namespace cpa {
 #ifndef CPA_MIN_BLOCKS
 #define CPA_MIN_BLOCKS 1
 #endif
+// 0 compiles the fused-reduce epilogue out (then only the two-kernel path exists): an A/B knob
+// for its cost to the attention kernel when it is not used.
+#ifndef CPA_FUSED_REDUCE
+#define CPA_FUSED_REDUCE 1
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -248,6 +253,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
       }
     }
   }
+#if CPA_FUSED_REDUCE
   if (p.counters == nullptr) return;
 
   // Fused reduce: the last workgroup of this (sequence, KV head) to finish combines its
@@ -266,6 +272,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   if (!is_last) return;
   fence_device();
   combine_partitions<T, HEAD, Cfg::THREADS>(p, row0, np_seq);
+#endif
 }
 
 // ---------------------------------------------------------------- reduce
