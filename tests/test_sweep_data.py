@@ -1,0 +1,64 @@
+"""The shipped H200 sweeps (data/sweeps): every (point, variant) row of each named grid is
+there, verified, with provenance and the ceilings of its run; the sm_90 default in
+cpa.variants is the best single choice the llama70b-decode sweep measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cpa import bench as B
+from cpa import sweep as S
+from cpa import variants as V
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "sweeps"
+GRIDS = ("llama70b-decode", "gqa-scan", "head-size-scan", "mixed-lengths")
+PEERS = ("sdpa", "flex", "flashinfer")
+
+
+@pytest.fixture(scope="module", params=GRIDS)
+def shipped(request):
+    path = DATA / f"h200-{request.param}.parquet"
+    if not path.exists():
+        pytest.fail(f"{path} is missing: the H200 dataset ships with the repository")
+    df, meta = S.read_results(path)
+    return request.param, df, meta
+
+
+def test_every_row_of_the_grid_is_there_and_verified(shipped):
+    name, df, meta = shipped
+    grid = S.load_grid(name)
+    assert meta["schema_version"] == S.SCHEMA_VERSION
+    want = {S.row_key(p.point_id, v.tiling, v.partition_size) for p, v in grid.rows()}
+    want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in PEERS}
+    got = {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)}
+    assert got == want
+    assert df.verified.all() and df.error.isna().all()
+    assert (df.time_us_p25 <= df.time_us).all() and (df.time_us <= df.time_us_p75).all()
+    assert ((df.frac_peak_bw > 0) & (df.frac_peak_bw < 1.05)).all()
+    assert set(S.REQUIRED_COLUMNS) <= set(df.columns)
+
+
+def test_provenance_and_ceilings(shipped):
+    name, df, meta = shipped
+    assert (df.device_name == "NVIDIA H200").all()
+    assert df.git_commit.str.fullmatch(r"[0-9a-f]{40}").all()
+    runs = {r["run_id"]: r for r in meta["runs"]}
+    assert set(df.run_id) <= set(runs)
+    doc = json.loads((DATA / "h200-ceilings.json").read_text())
+    by_id = {r["run_id"]: r for r in doc["runs"]}
+    for run_id, g in df.groupby("run_id"):
+        c = by_id[run_id]  # the ceilings file lists the run that measured these rows
+        assert c["grid"] == name and c["device_name"] == "NVIDIA H200"
+        assert (g.read_gbps_ceiling == c["read_gbps"]).all() and (g.copy_gbps_ceiling == c["copy_gbps"]).all()
+        assert 3000 < c["read_gbps"] < 5500 and 3000 < c["copy_gbps"] < 5500
+
+
+def test_sm90_default_is_the_best_single_choice_of_the_sweep():
+    df, _ = S.read_results(DATA / "h200-llama70b-decode.parquet")
+    choice, _ = B.best_fixed_choice(df[df.tiling.isin(V.TILINGS)])
+    tiling, partition, source = V.default_choice("sm_90", 8)
+    assert (tiling, partition) == (choice["tiling"], choice["partition_size"])
+    assert "measured" in source and "h200-llama70b-decode" in source
