@@ -1,6 +1,6 @@
 # cpa -- developer entry points:
 #   make test     create/refresh .venv, then run the test suite
-#   make report   create/refresh .venv, then print the report (for now: `cpa compare`)
+#   make report   create/refresh .venv, then build the HTML report (`cpa report`: notebooks run headless)
 #
 # .venv reuses an existing torch when $(PYTHON) already has one (--system-site-packages);
 # otherwise it installs $(TORCH_PIN), the CPU build -- an unpinned `torch` would pull a
@@ -39,4 +39,4 @@ test: venv
 	exit $$rc
 
 report: venv
-	"$(VENV)/bin/cpa" compare
+	"$(VENV)/bin/cpa" report

@@ -259,3 +259,25 @@ def sweep_spread(
     over = int((m.spread > limit).sum())
     typer.echo(f"\n{len(m)} rows in both: spread median {q[0]:.2%}, p95 {q[1]:.2%}, max {m.spread.max():.2%}; "
                f"{over} over {limit:.0%}")
+
+
+@app.command()
+def report(
+    out: str = typer.Option("build/report", help="folder for index.html and one page per notebook."),
+    notebooks: Optional[str] = typer.Option(None, help="comma-separated notebook .py files (default: all in "
+                                                       "notebooks/)."),
+    timeout: int = typer.Option(1800, help="seconds one notebook cell may run."),
+) -> None:
+    """Execute every notebook headless (nbclient) and write a static HTML report.
+
+    Without a GPU the notebooks use the dataset shipped in data/ and each page says so."""
+    from pathlib import Path
+
+    from . import report as R
+
+    srcs = [Path(p) for p in _strs(notebooks)] if notebooks else None
+    pages = R.build_report(out, notebooks=srcs, timeout=timeout, echo=typer.echo)
+    failed = [p for p in pages if p.error]
+    if failed:
+        typer.echo(f"{len(failed)} notebook(s) failed: {', '.join(p.name for p in failed)}", err=True)
+        raise typer.Exit(1)

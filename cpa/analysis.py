@@ -1,0 +1,165 @@
+"""Sweep tables for the notebooks and the report: where the data comes from, and the derived
+tables (best variant per shape, best partition size, speed-ups). pandas only; the figures
+are in :mod:`cpa.plots`.
+
+Data source: with a GPU, :func:`sweep_results` runs (or resumes) the grid live into
+``build/sweeps/<device>-<grid>.parquet``; without one it reads the dataset shipped in
+``data/sweeps/h200-<grid>.parquet``. ``CPA_DATA=shipped`` forces the shipped data on a GPU
+machine, ``CPA_DATA=live`` refuses to fall back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "data" / "sweeps"
+LIVE = ROOT / "build" / "sweeps"
+
+
+@dataclass
+class SweepData:
+    """A sweep table and where it came from (for the banner of every page)."""
+
+    grid: str
+    df: object  # pandas DataFrame
+    source: str  # "shipped" | "live"
+    path: Path
+    runs: list = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        names = sorted(set(self.df.device_name.dropna())) if len(self.df) else []
+        return ", ".join(names) or "?"
+
+    @property
+    def commits(self) -> list[str]:
+        return sorted({str(c)[:7] for c in self.df.git_commit.dropna()})
+
+    @property
+    def dates(self) -> list[str]:
+        return sorted({str(t)[:10] for t in self.df.timestamp.dropna()})
+
+    def ceilings(self) -> dict:
+        """The read / copy ceilings of the run(s) behind the table (medians if several)."""
+        r = self.df.read_gbps_ceiling.dropna()
+        c = self.df.copy_gbps_ceiling.dropna()
+        return {"read_gbps": float(r.median()) if len(r) else math.nan,
+                "copy_gbps": float(c.median()) if len(c) else math.nan}
+
+    def banner(self) -> str:
+        """One Markdown line saying what the numbers are."""
+        what = ("**Shipped dataset** (no GPU here, or CPA_DATA=shipped): measured earlier"
+                if self.source == "shipped" else "**Live run** on this machine's GPU")
+        rel = os.path.relpath(self.path, ROOT) if self.path.is_absolute() else str(self.path)
+        return (f"{what} on {self.device}; grid `{self.grid}`, {len(self.df)} rows from `{rel}`, "
+                f"commit {', '.join(self.commits) or '?'}, {', '.join(self.dates) or '?'}.")
+
+
+def has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def shipped_path(grid: str) -> Path:
+    return SHIPPED / f"h200-{grid}.parquet"
+
+
+def _device_slug() -> str:
+    import torch
+
+    return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+
+
+def sweep_results(grid: str, *, mode: str | None = None, progress: bool = True, **sweep_kw) -> SweepData:
+    """The table of a named grid: live on a GPU (run or resumed), else the shipped one."""
+    from . import sweep as S
+
+    mode = (mode or os.environ.get("CPA_DATA") or "auto").lower()
+    if mode not in ("auto", "live", "shipped"):
+        raise ValueError(f"CPA_DATA / mode={mode!r}: expected auto, live or shipped")
+    if mode == "live" or (mode == "auto" and has_gpu()):
+        if not has_gpu():
+            raise RuntimeError("CPA_DATA=live, but no GPU is visible to torch")
+        out = LIVE / f"{_device_slug()}-{grid}.parquet"
+        df = S.run_sweep(grid, out, resume=True, progress=progress, echo=lambda m: None, **sweep_kw)
+        return SweepData(grid, df[df.grid == grid].reset_index(drop=True), "live", out, S.read_results(out)[1]["runs"])
+    path = shipped_path(grid)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no shipped dataset for grid {grid!r} (have: "
+                                f"{', '.join(p.stem[5:] for p in sorted(SHIPPED.glob('h200-*.parquet')))})")
+    df, meta = S.read_results(path)
+    return SweepData(grid, df, "shipped", path, meta["runs"])
+
+
+def shipped_ceilings() -> dict:
+    p = SHIPPED / "h200-ceilings.json"
+    return json.loads(p.read_text()) if p.exists() else {"runs": []}
+
+
+# ---------------------------------------------------------------------------- derived tables
+def cpa_rows(df):
+    """Verified, timed rows of the CPA kernel (not the peers)."""
+    from .variants import TILINGS
+
+    return df[df.tiling.isin(TILINGS) & df.verified.astype(bool) & df.error.isna() & df.time_us.notna()]
+
+
+def peer_names(df) -> list[str]:
+    from .variants import TILINGS
+
+    return [t for t in dict.fromkeys(df.tiling) if t not in TILINGS]
+
+
+def best_by_point(df, tiling: str | None = None):
+    """One row per point: the fastest verified CPA variant (of one tiling, if given)."""
+    d = cpa_rows(df)
+    if tiling:
+        d = d[d.tiling == tiling]
+    return d.loc[d.groupby("point_id", sort=False).time_us.idxmin()].reset_index(drop=True)
+
+
+def speedups(df, baseline_partition: int = 256):
+    """Per point: the best CPA variant, the best at a fixed partition size, each peer.
+
+    ``vs_p<N>`` = time of the best tiling at partition N / time of the best variant (> 1:
+    choosing the partition size per shape pays); ``vs_<peer>`` = peer time / best CPA time
+    (> 1: CPA is faster)."""
+    import pandas as pd
+
+    d = cpa_rows(df)
+    best = best_by_point(df).set_index("point_id")
+    fixed = d[d.partition_size == baseline_partition]
+    fixed = fixed.loc[fixed.groupby("point_id").time_us.idxmin()].set_index("point_id")
+    out = best[["num_seqs", "max_seq_len", "mean_seq_len", "num_heads", "num_kv_heads", "head_size", "tiling",
+                "partition_size", "time_us", "gbps", "frac_peak_bw"]].copy()
+    out[f"p{baseline_partition}_us"] = fixed.time_us
+    out[f"vs_p{baseline_partition}"] = fixed.time_us / best.time_us
+    ok = df[df.verified.astype(bool) & df.error.isna() & df.time_us.notna()]
+    for p in peer_names(df):
+        t = ok[ok.tiling == p].set_index("point_id").time_us
+        out[f"{p}_us"] = t
+        out[f"vs_{p}"] = t / best.time_us
+    return pd.DataFrame(out).reset_index()
+
+
+def partition_table(df, tiling: str, value: str = "time_us"):
+    """(batch, context) x partition size of one tiling: `value` (time_us, gbps, ...)."""
+    d = cpa_rows(df)
+    d = d[d.tiling == tiling]
+    return d.pivot_table(index=["num_seqs", "max_seq_len"], columns="partition_size", values=value)
+
+
+def choices(df) -> dict[str, list]:
+    """The values a notebook's controls can offer for this table."""
+    d = cpa_rows(df)
+    return {"tiling": sorted(d.tiling.unique()), "dtype": sorted(d.dtype.unique()),
+            "kv_cache_dtype": sorted(d.kv_cache_dtype.unique())}

@@ -1,0 +1,135 @@
+"""`cpa report`: execute every notebook headless and write a static HTML report.
+
+Notebooks live in ``notebooks/`` as jupytext ``py:percent`` files (the ``.ipynb`` pair is
+git-ignored). Each is executed in a fresh kernel with nbclient (working directory:
+``notebooks/``), the executed notebook is kept beside its page, and nbconvert renders one
+HTML page per notebook plus ``index.html``. Plotly figures are interactive in the pages
+(plotly.js inlined once per page, so the report works offline). With no GPU the notebooks
+read the shipped dataset (``data/``), and each page says so at its top.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .analysis import ROOT, has_gpu
+
+NOTEBOOKS = ROOT / "notebooks"
+DEFAULT_OUT = ROOT / "build" / "report"
+
+
+@dataclass
+class Page:
+    name: str
+    title: str
+    html: str  # file name inside the report folder
+    seconds: float
+    error: str | None
+
+
+def notebook_sources(folder: Path = NOTEBOOKS) -> list[Path]:
+    """The jupytext notebooks of a folder, in name order."""
+    return sorted(p for p in folder.glob("*.py") if p.read_text().lstrip().startswith("# ---")
+                  and "jupytext" in p.read_text()[:800])
+
+
+def _title(nb, fallback: str) -> str:
+    for c in nb.cells:
+        if c.cell_type == "markdown":
+            for line in c.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return fallback
+
+
+def data_banner() -> str:
+    from .provenance import git_commit
+
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    where = os.environ.get("CPA_DATA", "auto")
+    if where == "shipped" or (where == "auto" and not has_gpu()):
+        src = ("**No GPU on this machine: every number on this page is from the dataset shipped in `data/`** "
+               "(measured earlier, with the provenance shown in each table), and the compile-only analysis.")
+    else:
+        src = "**Measured live on this machine's GPU** (results under `build/sweeps/`)."
+    return f"> Built by `cpa report` on {stamp} at commit {git_commit()[:12]}. {src}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str | None = None):
+    """Execute one jupytext notebook; returns (executed notebook, error text or None)."""
+    import jupytext
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = jupytext.read(src)
+    if banner:
+        nb.cells.insert(0, nbformat.v4.new_markdown_cell(banner))
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(src.parent)}})
+    error = None
+    try:
+        client.execute()
+    except CellExecutionError as e:  # keep what ran: the page shows the failing cell and its traceback
+        error = str(e).strip().splitlines()[-1][:500] if str(e).strip() else type(e).__name__
+    nbformat.write(nb, str(out_dir / f"{src.stem}.ipynb"))
+    return nb, error
+
+
+def build_report(out: str | os.PathLike = DEFAULT_OUT, *, notebooks: list[Path] | None = None,
+                 timeout: int = 1800, echo=print) -> list[Page]:
+    """Execute the notebooks and write ``<out>/index.html`` and one page per notebook."""
+    from nbconvert import HTMLExporter
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    srcs = notebooks if notebooks is not None else notebook_sources()
+    if not srcs:
+        raise FileNotFoundError(f"no jupytext notebooks in {NOTEBOOKS}")
+    banner = data_banner()
+    exporter = HTMLExporter(template_name="lab")
+    pages = []
+    for src in srcs:
+        t0 = time.perf_counter()
+        echo(f"report: running {src.name} ...")
+        nb, error = run_notebook(Path(src), out, timeout=timeout, banner=banner)
+        body, _ = exporter.from_notebook_node(nb)
+        page = f"{Path(src).stem}.html"
+        _atomic_write(out / page, body)
+        secs = time.perf_counter() - t0
+        pages.append(Page(Path(src).stem, _title(nb, Path(src).stem), page, secs, error))
+        echo(f"report: {src.name} -> {out / page} ({secs:.1f} s){' FAILED: ' + error if error else ''}")
+    _atomic_write(out / "index.html", _index(pages, banner))
+    echo(f"report: {out / 'index.html'}")
+    return pages
+
+
+def _index(pages: list[Page], banner: str) -> str:
+    items = "\n".join(
+        f'<li><a href="{html.escape(p.html)}">{html.escape(p.title)}</a> '
+        f'<span class="meta">({p.seconds:.0f} s{", <b>failed</b>: " + html.escape(p.error) if p.error else ""})'
+        f"</span></li>" for p in pages)
+    note = html.escape(banner.lstrip("> ").replace("**", "").replace("`", ""))
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>cpa report</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:52em;margin:2em auto;line-height:1.5}}
+.note{{background:#f4f4f4;padding:.6em 1em;border-left:4px solid #888}} .meta{{color:#666}}</style></head>
+<body><h1>cpa report</h1>
+<p class="note">{note}</p>
+<p>Paged-attention decode kernels: partition size and matrix-core tiling. Every figure says how its numbers
+were obtained: <b>measured</b> (on the GPU named in it), <b>compiled</b> (ISA and resources from the compiler),
+or <b>modeled</b>. No MI300 number here is a measurement.</p>
+<ul>
+{items}
+</ul></body></html>
+"""

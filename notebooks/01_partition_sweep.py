@@ -1,0 +1,128 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Partition size and tiling: the sweep
+#
+# A decode step reads every sequence's K and V once. One workgroup of the CPA kernel handles
+# one (sequence, KV head, **partition**) — `partition_size` context tokens — and a reduce
+# kernel combines the partitions' partial softmax results. Small partitions give the GPU
+# more workgroups when batch x KV heads is small; large ones do less reduce work and pay the
+# per-workgroup fixed cost less often. The **tiling** decides how the GQA query heads and the
+# tokens map onto matrix-core tiles (`mfma16`: 16x16x16 on AMD / m16n8k16 on NVIDIA,
+# `mfma4`: 4x4x4 16-block / m16n8k8, `scalar`: no matrix cores).
+#
+# Every number here comes from `cpa sweep` (cpa/sweep.py): each row verified against
+# `cpa.reference` on fresh random inputs into a NaN-poisoned output, then timed by CUDA-graph
+# replay over rotating input sets (a KV pool of at least 1 GiB, so the 60 MB L2 cannot
+# serve it), median of 30 replays. Bandwidth is K+V read once over the median time, against
+# the read ceiling measured at the start of the same run.
+#
+# **These are NVIDIA H200 measurements.** Nothing on this page is an MI300 number; the
+# MI300X side (compiled resources and modeled occupancy) is notebook 02.
+
+# %%
+import pandas as pd
+
+from cpa import analysis as A
+from cpa import plots as P
+from IPython.display import Markdown, display
+
+GRIDS = ["llama70b-decode", "gqa-scan", "head-size-scan", "mixed-lengths"]
+data = {g: A.sweep_results(g) for g in GRIDS}
+main = data["llama70b-decode"]
+display(Markdown(main.banner()))
+ceil = main.ceilings()
+print(f"read ceiling {ceil['read_gbps']:.0f} GB/s, copy ceiling {ceil['copy_gbps']:.0f} GB/s (same run)")
+
+# %% [markdown]
+# ## Latency against partition size
+# Llama-3.1-70B at TP1 (64 query heads over 8 KV heads, head 128, 16-token blocks, fp16).
+# One panel per batch, one line per context length. At batch 1 the partition size is the
+# only source of parallelism: 8 KV heads x 1 sequence = 8 workgroups for a whole 32k
+# context unless it is split, against 132 SMs.
+
+# %%
+P.show(P.latency_vs_partition(main.df, tiling="mfma16"))
+
+# %% [markdown]
+# ## Where the bandwidth goes
+# Each point is one shape; the CPA point is its fastest verified variant. Small shapes sit
+# far below the roof: their time is launch and per-workgroup latency, not bytes.
+
+# %%
+P.show(P.bandwidth_roof(main.df, ceil))
+
+# %% [markdown]
+# ## The best partition size over (batch, context)
+# The cell says the winning `tiling/partition`. On the H200 the long contexts want the
+# largest partitions: with 2 resident workgroups per SM (210 registers per thread), a
+# workgroup's fixed cost — the dependent loads of sequence length, block table and the first
+# K block, and the epilogue — is paid once per partition, and the fp32 partials of small
+# partitions are extra traffic for the reduce.
+
+# %%
+P.show(P.best_partition_heatmap(main.df))
+
+# %%
+sp = A.speedups(main.df, baseline_partition=256)
+src = f"measured on {main.device}"
+P.show(P.speedup_heatmap(sp, "vs_p256", title="Best variant over the best tiling at a fixed partition size 256",
+                         source=src))
+print(f"choosing the partition size per shape instead of a fixed 256: median {sp.vs_p256.median():.3f}x, "
+      f"max {sp.vs_p256.max():.2f}x over {len(sp)} shapes")
+
+# %% [markdown]
+# ## Against the peers, in the same run
+# `sdpa`: torch `scaled_dot_product_attention` (cuDNN backend) on **contiguous** K/V gathered
+# before timing — the dense-layout upper bound, not a paged kernel. `flashinfer`: FlashInfer's
+# paged batch decode (tensor-core path, HND pages of 16 tokens, the block table as page
+# table) — the paged peer. `flex`: `torch.compile(flex_attention)` on contiguous K/V.
+# Values above 1 mean the CPA kernel is faster.
+
+# %%
+for peer in A.peer_names(main.df):
+    col = f"vs_{peer}"
+    if col in sp and sp[col].notna().any():
+        P.show(P.speedup_heatmap(sp, col, title=f"{peer} time / best CPA time", source=src))
+
+# %%
+cols = ["num_seqs", "max_seq_len", "tiling", "partition_size", "time_us", "frac_peak_bw", "vs_p256"] + \
+    [c for c in sp if c.startswith("vs_") and c != "vs_p256"]
+with pd.option_context("display.max_rows", 80, "display.precision", 3):
+    display(sp[cols])
+
+# %% [markdown]
+# ## The other grids
+# `gqa-scan` holds the KV bytes fixed and raises the query heads per KV head from 1 to 16;
+# `head-size-scan` holds the KV bytes and the GQA ratio fixed and changes the head size;
+# `mixed-lengths` is a batch of long-tailed (log-normal) context lengths, where a dense
+# kernel must pad to the longest sequence.
+
+# %%
+for g in GRIDS[1:]:
+    s = data[g]
+    display(Markdown(f"### {g}\n{s.banner()}"))
+    t = A.speedups(s.df)
+    peer_cols = [c for c in t if c.startswith("vs_") and c != "vs_p256"]
+    P.show(P.speedup_bars(t, ["vs_p256"] + peer_cols, title=f"{g}: best CPA variant against fixed 256 and peers",
+                          source=f"measured on {s.device}"))
+    P.show(P.latency_vs_partition(s.df, tiling="mfma16"))
+
+# %% [markdown]
+# ## Explore
+# Choose a grid, dtype and tiling. (The controls need a live Jupyter kernel; in the static
+# report they show their first selection.)
+
+# %%
+display(P.explorer(lambda g: data[g] if g in data else A.sweep_results(g), GRIDS))

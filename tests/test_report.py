@@ -1,0 +1,126 @@
+"""The notebooks and `cpa report`: jupytext pairs, headless execution from the shipped data,
+a static HTML report with interactive plotly figures, and the tables behind the figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpa import analysis as A
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_notebooks_are_jupytext_pairs_without_outputs_in_git():
+    from cpa import report as R
+
+    srcs = R.notebook_sources()
+    assert [p.name for p in srcs][:1] == ["01_partition_sweep.py"]
+    for p in srcs:
+        assert "format_name: percent" in p.read_text()[:600], p
+    try:
+        tracked = subprocess.run(["git", "ls-files", "notebooks"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    assert not [t for t in tracked if t.endswith(".ipynb")], "executed notebooks must stay out of git"
+
+
+def test_import_cpa_and_cli_need_no_notebook_packages():
+    code = ("import sys, cpa, cpa.cli, cpa.sweep, cpa.analysis; "
+            "bad = [m for m in ('plotly', 'ipywidgets', 'nbclient', 'nbconvert', 'jupytext') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------- analysis tables
+@pytest.fixture(scope="module")
+def llama():
+    return A.sweep_results("llama70b-decode", mode="shipped")
+
+
+def test_shipped_source_and_banner(llama):
+    assert llama.source == "shipped" and llama.path == A.shipped_path("llama70b-decode")
+    b = llama.banner()
+    assert "Shipped dataset" in b and "NVIDIA H200" in b and "e7697f4" in b
+    c = llama.ceilings()
+    assert 4000 < c["read_gbps"] < 5000 and 4000 < c["copy_gbps"] < 5000
+
+
+def test_best_by_point_and_speedups(llama):
+    df = llama.df
+    best = A.best_by_point(df)
+    assert len(best) == df.point_id.nunique() == 56
+    cpa = A.cpa_rows(df)
+    for _, r in best.sample(8, random_state=0).iterrows():
+        assert r.time_us == cpa[cpa.point_id == r.point_id].time_us.min()
+    sp = A.speedups(df, baseline_partition=256)
+    # the best over every partition size can never lose to the best at 256 alone
+    assert (sp.vs_p256 >= 1.0).all() and (sp.vs_p256 > 1.0).any()
+    row = sp.iloc[0]
+    sdpa = df[(df.point_id == row.point_id) & (df.tiling == "sdpa")].time_us.iloc[0]
+    assert row.vs_sdpa == pytest.approx(sdpa / row.time_us)
+    assert {"vs_sdpa", "vs_flex", "vs_flashinfer"} <= set(sp.columns)
+
+
+def test_partition_table(llama):
+    t = A.partition_table(llama.df, "mfma16")
+    assert t.shape == (56, 5) and list(t.columns) == [64, 128, 256, 512, 1024]
+    assert t.notna().all().all()
+
+
+def test_live_mode_without_gpu_is_an_error():
+    if A.has_gpu():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="no GPU"):
+        A.sweep_results("gqa-scan", mode="live")
+    with pytest.raises(ValueError, match="expected auto"):
+        A.sweep_results("gqa-scan", mode="sometimes")
+
+
+# ------------------------------------------------------------------------------- the report
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    import os
+
+    from cpa import report as R
+
+    out = tmp_path_factory.mktemp("report")
+    old = os.environ.get("CPA_DATA")
+    os.environ["CPA_DATA"] = "shipped"  # the kernels inherit it: CI-like even on a GPU machine
+    try:
+        pages = R.build_report(out, timeout=600, echo=lambda m: None)
+    finally:
+        if old is None:
+            os.environ.pop("CPA_DATA")
+        else:
+            os.environ["CPA_DATA"] = old
+    return out, pages
+
+
+def test_every_notebook_runs_headless(report):
+    out, pages = report
+    assert pages and all(p.error is None for p in pages), [(p.name, p.error) for p in pages]
+    for p in pages:
+        nb = json.loads((out / f"{p.name}.ipynb").read_text())
+        errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
+        assert not errors, errors[:1]
+
+
+def test_report_pages(report):
+    out, pages = report
+    index = (out / "index.html").read_text()
+    for p in pages:
+        assert f'href="{p.html}"' in index
+        page = (out / p.html).read_text()
+        assert "Plotly.newPlot" in page  # interactive figures, plotly.js inlined once
+        assert page.count("plotly.js v") <= 2
+        assert "every number on this page is from the dataset shipped" in page
+    first = (out / pages[0].html).read_text()
+    assert "measured on NVIDIA H200" in first
+    assert "Fastest partition size" in first and "Bandwidth against the roof" in first
