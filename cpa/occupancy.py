@@ -407,3 +407,118 @@ def load_static_table(arch: str, root=None):
 
     root = Path(root) if root is not None else Path(__file__).resolve().parent.parent / "data" / "static"
     return pd.read_csv(root / f"{arch}.csv")
+
+
+# =============================================================================== notebook tables
+def resource_table(arch: str, df=None, *, kernel: str = "attention", **where):
+    """The ``cpa static`` rows of one arch (filtered by column values, e.g. head_size=128) with
+    occupancy columns: AMD ``waves_per_simd`` (hardware model), its binding ``limit`` and
+    ``workgroups_per_cu``; NVIDIA ``blocks_per_sm``, ``warps_per_sm``, ``limit``."""
+    df = load_static_table(arch) if df is None else df
+    d = df[df.kernel == kernel]
+    for k, v in where.items():
+        d = d[d[k] == v]
+    d = d.copy()
+    spec = hw.spec_for(arch)
+    if isinstance(spec, hw.CdnaSpec):
+        occ = [cdna_row_occupancy(r, spec) for _, r in d.iterrows()]
+        d["total_vgprs"] = [o.total_vgprs for o in occ]
+        d["waves_per_simd"] = [o.waves_per_simd for o in occ]
+        d["workgroups_per_cu"] = [o.workgroups_per_cu for o in occ]
+        d["limit"] = [o.limit for o in occ]
+    else:
+        occ = [hopper_row_occupancy(r, spec) for _, r in d.iterrows()]
+        d["blocks_per_sm"] = [o.blocks_per_sm for o in occ]
+        d["warps_per_sm"] = [o.warps_per_sm for o in occ]
+        d["workgroups_per_cu"] = d["blocks_per_sm"]
+        d["limit"] = [o.limit for o in occ]
+    return d.reset_index(drop=True)
+
+
+def grid_table(arch: str, shapes, *, tilings=None, partition_sizes=None, head_size: int = 128, block_size: int = 16,
+               dtype: str = "fp16", kv_cache_dtype: str = "auto", df=None):
+    """Grid-level occupancy (:func:`grid_occupancy`) for every shape x tiling x partition size.
+
+    `shapes`: dicts with num_seqs, num_heads, num_kv_heads, max_seq_len. Variants missing from
+    the shipped table (or invalid for the platform) are skipped."""
+    import pandas as pd
+
+    df = load_static_table(arch) if df is None else df
+    platform = V.platform_of_arch(arch)
+    rows = []
+    for shape in shapes:
+        gqa = shape["num_heads"] // shape["num_kv_heads"]
+        for t in tilings or V.TILINGS:
+            for p in partition_sizes or V.PARTITION_SIZES:
+                try:
+                    v = V.variant_for(tiling=t, partition_size=p, head_size=head_size, block_size=block_size,
+                                      dtype=dtype, kv_cache_dtype=kv_cache_dtype, gqa_ratio=gqa, platform=platform)
+                    g = grid_from_table(df, v, arch=arch, **shape)
+                except (ValueError, KeyError):
+                    continue
+                rows.append({"arch": arch, "tiling": t, **g.as_dict()})
+    return pd.DataFrame(rows)
+
+
+# ============================================================================ a wave-time model
+@dataclass(frozen=True)
+class WaveModel:
+    """A modeled decode time from grid occupancy: every wave of resident workgroups pays a
+    fixed cost, the bytes stream at the device's bandwidth times the fraction of slots busy,
+    and a launched reduce pays its own fixed cost plus reading the partials back::
+
+        t = t_wave x waves + (kv_bytes + partials_written) / (bw x fill)
+            + [partitions > 1] x (t_reduce + partials_read / bw) + t_launch
+
+    with fill = workgroups / (waves x slots). The three times are fitted (least squares) to
+    measured times of one device (:func:`fit_wave_model`); on another device they are an
+    assumption, to be varied, never a measurement."""
+
+    bw_bytes_per_s: float
+    t_wave_us: float
+    t_reduce_us: float
+    t_launch_us: float
+    source: str
+
+    def predict(self, g) -> "object":
+        """Modeled µs for each row of a :func:`grid_table` (adds no columns; returns a Series)."""
+        kv = kv_bytes_of(g)
+        fill = g.workgroups / (g.waves * g.slots)
+        multi = (g.partitions > 1).astype(float)
+        stream = (kv + g.partials_bytes_written) / (self.bw_bytes_per_s * fill) + g.partials_bytes_read / \
+            self.bw_bytes_per_s
+        return stream * 1e6 + self.t_wave_us * g.waves + multi * self.t_reduce_us + self.t_launch_us
+
+
+def kv_bytes_of(g, elem: int = 2):
+    """K and V read once for grid_table rows (equal lengths): 2 x seqs x len x kv heads x head x elem."""
+    return 2 * g.num_seqs * g.max_seq_len * g.num_kv_heads * g.head_size * elem
+
+
+def fit_wave_model(grid, measured, bw_bytes_per_s: float, source: str) -> tuple[WaveModel, "object"]:
+    """Fit t_wave, t_reduce, t_launch to measured times.
+
+    `grid`: a :func:`grid_table`; `measured`: rows with num_seqs, max_seq_len, tiling,
+    partition_size, time_us (e.g. a sweep). Returns (model, the joined table with `model_us`)."""
+    import numpy as np
+
+    keys = ["num_seqs", "max_seq_len", "tiling", "partition_size"]
+    j = grid.merge(measured[keys + ["time_us"]], on=keys)
+    if len(j) < 4:
+        raise ValueError(f"fit_wave_model: {len(j)} matching rows; need at least 4")
+    base = WaveModel(bw_bytes_per_s, 0.0, 0.0, 0.0, source)
+    X = np.c_[j.waves, (j.partitions > 1).astype(float), np.ones(len(j))]
+    coef, *_ = np.linalg.lstsq(X, j.time_us - base.predict(j), rcond=None)
+    model = WaveModel(bw_bytes_per_s, float(coef[0]), float(coef[1]), float(coef[2]), source)
+    j = j.assign(model_us=model.predict(j))
+    return model, j
+
+
+def single_choice(table, time_col: str, by=("tiling", "partition_size")):
+    """Geometric-mean slowdown of each fixed choice against the per-shape best of `time_col`."""
+    import numpy as np
+
+    shape = ["num_seqs", "max_seq_len"]
+    t = table.assign(slowdown=table[time_col] / table.groupby(shape)[time_col].transform("min"))
+    return (t.groupby(list(by)).slowdown.apply(lambda x: float(np.exp(np.log(x).mean())))
+            .rename("geomean_slowdown").reset_index().sort_values("geomean_slowdown").reset_index(drop=True))

@@ -210,3 +210,77 @@ def explorer(load, grids: list[str]):
     dtype_w.observe(redraw, names="value")
     tiling_w.observe(redraw, names="value")
     return W.VBox([W.HBox([grid_w, dtype_w, tiling_w]), note, out])
+
+
+# ------------------------------------------------------------------------ compiled evidence
+def register_budget(tables: dict):
+    """Registers per lane/thread of the attention kernel by tiling, heads cap and head size:
+    gfx942 VGPR+AGPR (unified 512-entry file) beside sm_90 registers (255 max). **compiled**."""
+    import pandas as pd
+    import plotly.express as px
+
+    parts = []
+    for arch, t in tables.items():
+        col = "total_vgprs" if "total_vgprs" in t else "registers"
+        d = t.assign(arch=arch, regs=t[col], variant=t.tiling + " cap " + t.heads_cap.astype(str))
+        parts.append(d[["arch", "variant", "head_size", "regs", "limit", "workgroups_per_cu"]])
+    d = pd.concat(parts).drop_duplicates()
+    d["head_size"] = d.head_size.astype(str)
+    fig = px.bar(d, x="variant", y="regs", color="head_size", barmode="group", facet_col="arch",
+                 hover_data=["limit", "workgroups_per_cu"],
+                 labels={"regs": "registers per lane (AMD: VGPR+AGPR) / per thread (NVIDIA)", "head_size": "head"})
+    fig.update_xaxes(matches=None)
+    fig.update_layout(height=460, title="Registers of the attention kernel (compiled: clang-19 gfx942, nvcc sm_90)")
+    return fig
+
+
+def grid_fill(grids):
+    """Fraction of workgroup slots busy (workgroups / (waves x slots)) against partition size,
+    per shape, one line per device. **modeled** from compiled resources."""
+    import pandas as pd
+    import plotly.express as px
+
+    d = pd.concat(grids).copy()
+    d["fill"] = d.workgroups / (d.waves * d.slots)
+    d["shape"] = "b" + d.num_seqs.astype(str) + " ctx " + d.max_seq_len.astype(str)
+    d["device"] = d.device + " (" + d.slots.astype(str) + " slots)"
+    fig = px.line(d, x="partition_size", y="fill", color="device", facet_col="shape", facet_col_wrap=4, markers=True,
+                  hover_data=["workgroups", "waves", "tail_workgroups", "partials_bytes"],
+                  labels={"partition_size": "partition", "fill": "slots busy"})
+    fig.update_xaxes(**_pow2_axis(d.partition_size))
+    fig.update_yaxes(range=[0, 1.05])
+    rows = math.ceil(d["shape"].nunique() / 4)
+    fig.update_layout(height=240 * rows + 120, title="Grid-level fill of the workgroup slots (modeled from compiled "
+                                                     "resources: 2 workgroups per CU/SM for mfma16 at GQA 8)")
+    return fig
+
+
+def model_vs_measured(joined, model):
+    """Modeled against measured time for the rows a wave model was fitted to."""
+    import plotly.express as px
+
+    d = joined.copy()
+    d["shape"] = "b" + d.num_seqs.astype(str) + " ctx " + d.max_seq_len.astype(str)
+    fig = px.scatter(d, x="time_us", y="model_us", color=d.partition_size.astype(str), log_x=True, log_y=True,
+                     hover_data=["shape", "tiling", "waves", "partitions"],
+                     labels={"time_us": "measured µs", "model_us": "modeled µs", "color": "partition"})
+    lo, hi = float(d[["time_us", "model_us"]].min().min()), float(d[["time_us", "model_us"]].max().max())
+    fig.add_shape(type="line", x0=lo, y0=lo, x1=hi, y1=hi, line=dict(color="gray", dash="dot"))
+    fig.update_layout(height=480, legend_title_text="partition",
+                      title=f"Wave model fitted to {model.source}: t_wave {model.t_wave_us:.2f} µs, "
+                            f"t_reduce {model.t_reduce_us:.2f} µs, t_launch {model.t_launch_us:.2f} µs")
+    return fig
+
+
+def single_choice_bars(table, *, title: str):
+    """Geometric-mean slowdown of each fixed partition size, one bar group per scenario."""
+    import plotly.express as px
+
+    d = table.copy()
+    d["partition_size"] = d.partition_size.astype(str)
+    fig = px.bar(d, x="partition_size", y="geomean_slowdown", color="scenario", barmode="group",
+                 labels={"partition_size": "fixed partition size", "geomean_slowdown":
+                         "geomean slowdown vs per-shape best"})
+    fig.update_yaxes(range=[1.0, float(d.geomean_slowdown.max()) * 1.03])
+    fig.update_layout(height=440, title=title)
+    return fig

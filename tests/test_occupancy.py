@@ -314,3 +314,47 @@ def test_recompiled_resources_match_shipped_table(arch):
     want = shipped.loc[got.index, cols]
     diff = got.compare(want, result_names=("recompiled", "shipped"))
     assert diff.empty, f"resource columns moved:\n{diff.to_string()}{hint}"
+
+
+# ------------------------------------------------------------------ notebook tables, wave model
+def test_resource_table_adds_occupancy_columns():
+    from cpa import occupancy as O
+
+    amd = O.resource_table("gfx942", head_size=128, block_size=16, dtype="fp16", kv_cache_dtype="auto")
+    assert len(amd) and (amd.kernel == "attention").all()
+    assert (amd.waves_per_simd == amd.waves_per_simd_compiler).all()
+    nv = O.resource_table("sm_90", head_size=128)
+    assert (nv.workgroups_per_cu == nv.blocks_per_sm).all() and (nv.warps_per_sm == 4 * nv.blocks_per_sm).all()
+
+
+def test_grid_table_counts_workgroups():
+    from cpa import occupancy as O
+
+    g = O.grid_table("gfx942", [dict(num_seqs=2, num_heads=64, num_kv_heads=8, max_seq_len=5000)],
+                     tilings=["mfma16"], partition_sizes=[256, 1024])
+    assert list(g.partition_size) == [256, 1024]
+    assert list(g.workgroups) == [2 * 20 * 8, 2 * 5 * 8]
+    assert (g.compute_units == 304).all()
+    # mfma4 on AMD covers GQA <= 4 only: no rows, no error
+    assert O.grid_table("gfx942", [dict(num_seqs=1, num_heads=64, num_kv_heads=8, max_seq_len=64)],
+                        tilings=["mfma4"]).empty
+
+
+def test_wave_model_fit_recovers_known_costs():
+    import pandas as pd
+
+    from cpa import occupancy as O
+
+    shapes = [dict(num_seqs=b, num_heads=64, num_kv_heads=8, max_seq_len=c) for b in (1, 8, 64) for c in (512, 8192)]
+    g = O.grid_table("sm_90", shapes, tilings=["mfma16"])
+    truth = O.WaveModel(4.0e12, 2.0, 1.5, 3.0, "synthetic")
+    measured = g.assign(time_us=truth.predict(g))[["num_seqs", "max_seq_len", "tiling", "partition_size", "time_us"]]
+    fit, joined = O.fit_wave_model(g, measured, 4.0e12, "synthetic")
+    assert fit.t_wave_us == pytest.approx(2.0) and fit.t_reduce_us == pytest.approx(1.5)
+    assert fit.t_launch_us == pytest.approx(3.0)
+    assert (joined.model_us - joined.time_us).abs().max() < 1e-6
+    sc = O.single_choice(joined, "time_us")
+    assert sc.geomean_slowdown.min() >= 1.0 and list(sc.columns) == ["tiling", "partition_size", "geomean_slowdown"]
+    with pytest.raises(ValueError, match="need at least 4"):
+        O.fit_wave_model(g, measured.iloc[:2], 4.0e12, "x")
+    assert isinstance(joined, pd.DataFrame)

@@ -124,3 +124,6 @@ def test_report_pages(report):
     first = (out / pages[0].html).read_text()
     assert "measured on NVIDIA H200" in first
     assert "Fastest partition size" in first and "Bandwidth against the roof" in first
+    occ = (out / "02_occupancy.html").read_text()
+    assert "compiled: clang-19 gfx942, nvcc sm_90" in occ and "MI300X modeled" in occ
+    assert "MI300X measured" not in occ and "measured on AMD" not in occ

@@ -1,0 +1,168 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Occupancy: what the compilers allocate, and why 256 on MI300X
+#
+# No MI300 is available to this project, but its compiler is. Every AMD figure on this page
+# is **compiled** (read off clang-19's gfx942 / gfx90a output: VGPRs, AGPRs, SGPRs, LDS,
+# waves per SIMD) or **modeled** (computed from those numbers with a stated model). None is
+# an MI300 measurement. The same analysis runs on the sm_90 build of the same source, and
+# there it can be checked against the H200 itself — which is how we learn to trust it.
+#
+# Sources: `data/static/{gfx942,gfx90a,sm_90}.csv` (`cpa static`), the device specs in
+# `cpa.hardware` (each value with its source), the calculators in `cpa.occupancy`,
+# `data/static/h200-occupancy-check.csv` (the Hopper calculator against the CUDA runtime on
+# the H200) and the measured sweep `data/sweeps/h200-llama70b-decode.parquet`.
+
+# %%
+import dataclasses
+
+import pandas as pd
+from IPython.display import Markdown, display
+
+from cpa import analysis as A
+from cpa import hardware as hw
+from cpa import occupancy as O
+from cpa import plots as P
+
+static = {arch: O.load_static_table(arch) for arch in ("gfx942", "gfx90a", "sm_90")}
+for arch, t in static.items():
+    print(f"{arch}: {t.variant.nunique()} variants, {len(t)} kernels, sources digest "
+          f"{t.sources_digest.iloc[0]} (compiled)")
+
+# %% [markdown]
+# ## The calculators agree with their references
+# On gfx942 and gfx90a the CDNA model of the compiler's `Occupancy [waves/SIMD]` is compared
+# with what clang reported, on every row. On sm_90 the Hopper calculator was compared on the
+# H200 with `cudaOccupancyMaxActiveBlocksPerMultiprocessor`.
+
+# %%
+for arch in ("gfx942", "gfx90a"):
+    c = O.compare_cdna(static[arch])
+    print(f"{arch}: model == compiler's waves/SIMD on {int((c.compiler_model == c.compiler).sum())} of {len(c)} "
+          f"kernels; hardware model (LDS in 512-byte blocks) == compiler on "
+          f"{int((c.hardware_model == c.compiler).sum())}")
+chk = pd.read_csv(A.ROOT / "data" / "static" / "h200-occupancy-check.csv")
+print(f"sm_90: calculator == cudaOccupancyMaxActiveBlocksPerMultiprocessor on {int(chk['match'].sum())} of "
+      f"{len(chk)} kernels (measured on {chk.device_name.iloc[0]}, commit {str(chk.git_commit.iloc[0])[:7]})")
+
+# %% [markdown]
+# ## Registers decide the occupancy
+# Attention kernel, fp16, 16-bit KV cache, block 16. The partition size does not change a
+# kernel's registers (it is a loop bound), only the grid; the tiling and the head size do.
+# A CDNA3 SIMD has 512 VGPRs per lane (VGPRs and AGPRs from one file, 8-register granule):
+# <= 256 gives 2 waves per SIMD, <= 168 gives 3. A Hopper SM has 64K 32-bit registers:
+# 4 warps x 210 registers per block leaves room for 2 blocks.
+
+# %%
+res = {arch: O.resource_table(arch, block_size=16, dtype="fp16", kv_cache_dtype="auto")
+       for arch in ("gfx942", "sm_90")}
+P.show(P.register_budget(res))
+cols = {"gfx942": ["tiling", "heads_cap", "head_size", "vgprs", "agprs", "total_vgprs", "lds_bytes", "spills",
+                   "waves_per_simd_compiler", "waves_per_simd", "workgroups_per_cu", "limit"],
+        "sm_90": ["tiling", "heads_cap", "head_size", "registers", "shared_bytes", "stack_bytes", "spills",
+                  "blocks_per_sm", "warps_per_sm", "limit"]}
+for arch, t in res.items():
+    display(Markdown(f"**{arch}** (compiled; occupancy modeled from it)"))
+    display(t[t.partition_size == 256][cols[arch]].reset_index(drop=True))
+
+# %% [markdown]
+# ## Grid-level waves against partition size
+# One workgroup per (sequence, KV head, partition): Llama-3.1-70B has 8 KV heads, so a
+# batch of 1 at 32k tokens launches 8 x 32768 / P workgroups. MI300X has 304 CUs x 2
+# resident mfma16 workgroups = 608 slots; the H200 has 132 SMs x 2 = 264. MI300X needs
+# more than twice the workgroups to fill, so it wants smaller partitions for the same shape.
+
+# %%
+SHAPES = [dict(num_seqs=b, num_heads=64, num_kv_heads=8, max_seq_len=c) for b in (1, 8, 32, 128)
+          for c in (2048, 8192, 32768)]
+grids = [O.grid_table(arch, SHAPES, tilings=["mfma16"]) for arch in ("gfx942", "sm_90")]
+P.show(P.grid_fill(grids))
+
+# %% [markdown]
+# ## A wave model, fitted on the H200 and then applied to MI300X
+# `cpa.occupancy.WaveModel`: every wave of resident workgroups pays a fixed cost
+# (`t_wave`: the dependent loads of sequence length, block table and first K block, the
+# softmax epilogue); the bytes stream at the read bandwidth times the fraction of slots
+# busy; a launched reduce adds its own cost and reads the partials back. Its three times are
+# fitted by least squares to the **measured** mfma16 rows of the H200 sweep. If it picks
+# the H200's measured best partition sizes, it is worth applying to the compiled MI300X
+# resources.
+
+# %%
+sweep = A.sweep_results("llama70b-decode", mode="shipped")
+SWEEP_SHAPES = [dict(num_seqs=int(b), num_heads=64, num_kv_heads=8, max_seq_len=int(c))
+                for b, c in sweep.df[["num_seqs", "max_seq_len"]].drop_duplicates().itertuples(index=False)]
+g90 = O.grid_table("sm_90", SWEEP_SHAPES, tilings=["mfma16"])
+model, fitted = O.fit_wave_model(g90, A.cpa_rows(sweep.df), sweep.ceilings()["read_gbps"] * 1e9,
+                                 "the H200 sweep (mfma16, 56 shapes x 5 partition sizes)")
+err = fitted.model_us / fitted.time_us
+print(f"modeled / measured: median {err.median():.3f}, 10-90% {err.quantile(0.1):.2f}-{err.quantile(0.9):.2f}")
+P.show(P.model_vs_measured(fitted, model))
+h200 = pd.concat([O.single_choice(fitted, "time_us").assign(scenario="H200 measured"),
+                  O.single_choice(fitted, "model_us").assign(scenario="H200 modeled")], ignore_index=True)
+display(h200.pivot(index="partition_size", columns="scenario", values="geomean_slowdown").round(3))
+
+# %% [markdown]
+# On MI300X the same model gets the compiled slots (608 for mfma16 at GQA 8) and MI300X's
+# HBM bandwidth (`cpa.hardware.MI300X`, 5.3 TB/s) times the fraction of peak the H200
+# reached in the same sweep. Its fixed costs are **not known** on MI300X: they are varied
+# from half to twice the H200's. Every bar below is **modeled**.
+
+# %%
+frac = model.bw_bytes_per_s / hw.H200.hbm_bandwidth_bytes_per_s
+g942 = O.grid_table("gfx942", SWEEP_SHAPES, tilings=["mfma16"])
+rows = [h200[h200.scenario == "H200 measured"]]
+for k in (0.5, 1.0, 2.0):
+    m = dataclasses.replace(model, bw_bytes_per_s=hw.MI300X.hbm_bandwidth_bytes_per_s * frac,
+                            t_wave_us=model.t_wave_us * k, t_reduce_us=model.t_reduce_us * k,
+                            t_launch_us=model.t_launch_us * k, source=f"MI300X, {k}x the H200 fixed costs")
+    g = g942.assign(model_us=m.predict(g942))
+    rows.append(O.single_choice(g, "model_us").assign(scenario=f"MI300X modeled, fixed costs {k}x H200"))
+choice = pd.concat(rows, ignore_index=True)
+P.show(P.single_choice_bars(choice, title="Best single partition size: H200 measured, MI300X modeled "
+                                          "(gfx942 compiled resources)"))
+best = choice.loc[choice.groupby("scenario").geomean_slowdown.idxmin()][["scenario", "partition_size",
+                                                                         "geomean_slowdown"]]
+display(best.reset_index(drop=True))
+
+# %% [markdown]
+# Read it as: the H200 (264 slots) is best served by one fixed 512; MI300X, with 608 slots
+# for the same kernel, is modeled to be best at 256 unless its per-wave fixed cost is well
+# below the H200's — upstream's choice. That is a model on compiled resources, not a
+# measurement; an MI300 run of `cpa sweep --grid llama70b-decode` would settle it.
+
+# %% [markdown]
+# ## Explore the compiled tables
+
+# %%
+import ipywidgets as W
+
+arch_w = W.Dropdown(options=list(static), description="arch")
+head_w = W.Dropdown(options=[64, 128, 256], value=128, description="head")
+kv_w = W.Dropdown(options=["auto", "fp8"], description="KV cache")
+out = W.Output()
+
+
+def redraw(*_):
+    t = O.resource_table(arch_w.value, head_size=head_w.value, kv_cache_dtype=kv_w.value, block_size=16)
+    with out:
+        out.clear_output(wait=True)
+        display(t[t.partition_size == 256].drop(columns=["symbol", "sources_digest"], errors="ignore"))
+
+
+for w in (arch_w, head_w, kv_w):
+    w.observe(redraw, names="value")
+redraw()
+display(W.VBox([W.HBox([arch_w, head_w, kv_w]), out]))
