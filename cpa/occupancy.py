@@ -293,7 +293,11 @@ def h200_check(variants, device=None):
                              match=a["blocks_per_sm"] == occ.blocks_per_sm, model_limit=occ.limit,
                              model_smem_per_block=occ.smem_per_block, sources_digest=sources_digest()[:16],
                              **dev_info))
-    return pd.DataFrame(rows)
+    from .provenance import provenance
+
+    prov = provenance()
+    return pd.DataFrame(rows).assign(**{k: prov[k] for k in ("driver_version", "torch_version", "git_commit",
+                                                              "timestamp", "command")})
 
 
 # ====================================================================================== grid

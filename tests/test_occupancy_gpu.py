@@ -9,6 +9,8 @@ Record the table with:
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -53,7 +55,13 @@ def check():
         pytest.skip(f"the Hopper model is for sm_90; this GPU is {arch}")
     errors = [r for r in prebuild(VARIANTS, arch, progress=False) if r["error"]]
     assert not errors, errors
-    return O.h200_check(VARIANTS)
+    table = O.h200_check(VARIANTS)
+    dest = os.environ.get("CPA_OCCUPANCY_CSV")  # scripts/h200.sh: record the table of this run
+    if dest:
+        tmp = dest + ".tmp"
+        table.to_csv(tmp, index=False)
+        os.replace(tmp, dest)
+    return table
 
 
 def test_model_equals_cuda_occupancy(check):
