@@ -15,7 +15,8 @@ here); ``backend`` says what ran, ``note`` how it was fed.
   A point of mixed lengths is padded to its longest sequence with a boolean
   key mask, so SDPA reads ``num_seqs x max_seq_len`` tokens while ``gbps`` still counts
   ``sum(seq_lens)`` -- the cost of feeding a dense kernel a ragged batch.
-* ``flex`` -- ``torch.compile(flex_attention)`` (``torch.nn.attention.flex_attention``) on
+* ``flex`` -- ``torch.compile(flex_attention, dynamic=False)`` (static shapes, so that
+  inductor can pick its flex-decoding kernel for the one-token query) on
   the same contiguous K/V, ``enable_gqa=True``; no block mask for a point of equal lengths,
   otherwise a block mask (``create_block_mask``, ``kv_idx < seq_len[b]``). Not the
   experimental paged helper (``torch.nn.attention.experimental._paged_attention``): it keeps
@@ -215,7 +216,11 @@ def _flex():
         if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
             torch._dynamo.config.accumulated_cache_size_limit = max(
                 torch._dynamo.config.accumulated_cache_size_limit, 4096)
-        _FLEX = (torch.compile(flex_attention), create_block_mask)
+        # dynamic=False: one static compile per shape. The first H200 sweeps (automatic
+        # dynamic shapes) timed flex at ~10x SDPA, scaling like a 128-row query tile for one
+        # query token; the suspected cause, not yet confirmed on the device, is a symbolic
+        # batch after the second shape, which keeps inductor off its flex-decoding kernel.
+        _FLEX = (torch.compile(flex_attention, dynamic=False), create_block_mask)
     return _FLEX
 
 
@@ -266,7 +271,7 @@ class FlexPeer:
         err = reference.relative_error(o.squeeze(2), state.ref, per_seq=True)
         del k, v, o
         torch.cuda.empty_cache()
-        note = "torch.compile(flex_attention), contiguous K/V" + ("" if pt.fixed_length else ", block mask")
+        note = "torch.compile(flex_attention, dynamic=False), contiguous K/V" + ("" if pt.fixed_length else ", block mask")
         built.data["note"] = note
         return {"verified": bool(err <= state.tol), "max_rel_err": err, "backend": "inductor", "note": note}
 
