@@ -107,9 +107,37 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
     torch.cuda.synchronize()
 
 
+def occupancy_check_all(out_csv: str) -> None:
+    """Every sm_90 variant: build (in parallel), then the Hopper calculator against
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor for both kernels (cpa.occupancy.h200_check)."""
+    from . import occupancy as O
+    from .jit import device_arch, prebuild
+
+    platform, arch = device_arch()
+    vs = list(V.all_variants(platform))
+    t0 = time.time()
+    errors = [r for r in prebuild(vs, arch, progress=False) if r["error"]]
+    if errors:
+        raise RuntimeError(f"{len(errors)} variants failed to build, e.g. {errors[0]['variant']}: "
+                           f"{(errors[0]['error'] or '')[-1000:]}")
+    table = O.h200_check(vs)
+    tmp = out_csv + ".tmp"
+    table.to_csv(tmp, index=False)
+    os.replace(tmp, out_csv)
+    bad = table[~table["match"]]
+    print(f"occupancy check: {len(vs)} variants, {len(table)} kernels on {table.device_name.iloc[0]} in "
+          f"{time.time() - t0:.0f} s; calculator == CUDA runtime on {int(table['match'].sum())} of {len(table)}")
+    if len(bad):
+        print(bad[["variant", "kernel", "registers", "shared_bytes", "blocks_per_sm_cuda", "blocks_per_sm_model",
+                   "model_limit"]].head(20).to_string(index=False))
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["buildtime"]:
         build_time_main()
+    elif sys.argv[1:2] == ["occupancy-check-all"]:
+        occupancy_check_all(sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.environ.get("OUT", "."),
+                                                                               "h200-occupancy-check.csv"))
     elif sys.argv[1:2] == ["profile-one"]:
         a = sys.argv[2:]
         profile_one(a[0], int(a[1]), int(a[2]), int(a[3]))

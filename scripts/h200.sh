@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, buildtime, test, sanitize, ncu1, ab, ab-old,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old,
 # bench, sweep:<grid>, repeat.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +29,10 @@ for step in "$@"; do
       ;;
     prebuild)
       $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -12
+      ;;
+    occupancy)
+      # every sm_90 variant: the Hopper calculator against the CUDA runtime (data/static/h200-occupancy-check.csv)
+      timeout 480 $PY -m cpa.jobs occupancy-check-all "$OUT/h200-occupancy-check.csv" 2>&1 | tail -25
       ;;
     buildtime)
       $PY -m cpa.jobs buildtime
