@@ -281,3 +281,29 @@ def report(
     if failed:
         typer.echo(f"{len(failed)} notebook(s) failed: {', '.join(p.name for p in failed)}", err=True)
         raise typer.Exit(1)
+
+
+@app.command()
+def profile(
+    profiler: str = typer.Option(..., help="ncu or rocprofv3 (run as a subprocess)."),
+    counters: str = typer.Option("basic", help="a set of profiling/<profiler>.yaml or comma-separated metrics."),
+    grid: str = typer.Option(..., help="shipped grid name or YAML file (cpa.sweep)."),
+    out: str = typer.Option(..., help="parquet: one row per (point, variant) with the portable metrics."),
+    points: Optional[str] = typer.Option(None, help="comma-separated point indices of the grid (default: all)."),
+    tilings: Optional[str] = typer.Option(None, help="comma-separated tilings (default: the grid's)."),
+    partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes (default: the grid's)."),
+    repeats: int = typer.Option(1, help="profiled launches per (point, variant); the median is kept."),
+    timeout: int = typer.Option(1800, help="seconds the profiler run may take."),
+) -> None:
+    """Hardware counters of the attention kernel through ncu or rocprofv3, joined to sweep keys."""
+    import pandas as pd
+
+    from . import profile as PR
+
+    sets = PR._load_counter_file(PR.counter_set_path(profiler))["sets"] if profiler in ("ncu", "rocprofv3") else {}
+    cs = counters if counters in sets else _strs(counters)
+    df = PR.profile_grid(profiler, cs, grid, out, points=points, tilings=_strs(tilings),
+                         partition_sizes=_ints(partition_sizes), repeats=repeats, timeout=timeout)
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        typer.echo(df.drop(columns=["command"], errors="ignore").to_string(index=False))
+    typer.echo(f"{len(df)} rows -> {out}")

@@ -855,3 +855,74 @@ def join_to_sweep(derived_wide, sweep_df, mapping, keys: Sequence[str] = SWEEP_K
     if lost:
         raise ValueError(f"{lost} profiled key combinations have no sweep row")
     return joined
+
+
+# ================================================================== one command: cpa profile
+HARNESS = PROFILING_DIR / "harness.py"
+
+
+def harness_argv(grid: str, mapping: str | os.PathLike, *, points: str | None = None,
+                 tilings: Sequence[str] | None = None, partition_sizes: Sequence[int] | None = None,
+                 repeats: int = 1, python: str | None = None) -> list[str]:
+    """The program line of profiling/harness.py (what the profiler launches)."""
+    import sys
+
+    argv = [python or sys.executable, str(HARNESS), "--grid", str(grid), "--mapping", str(mapping),
+            "--repeats", str(int(repeats))]
+    if points:
+        argv += ["--points", str(points)]
+    if tilings:
+        argv += ["--tilings", ",".join(tilings)]
+    if partition_sizes:
+        argv += ["--partition-sizes", ",".join(str(int(p)) for p in partition_sizes)]
+    return argv
+
+
+def profile_grid(profiler: str, counters: str | Sequence[str], grid: str, out: str | os.PathLike, *,
+                 points: str | None = None, tilings: Sequence[str] | None = None,
+                 partition_sizes: Sequence[int] | None = None, repeats: int = 1, timeout: float = 1800,
+                 kernel_regex: str = "paged_attention_kernel", work_dir: str | os.PathLike | None = None,
+                 device_spec=None):
+    """Profile the attention kernel of grid points x variants and write one parquet row per
+    (point, variant): the sweep keys, the portable metrics (median over repeats), provenance.
+
+    The harness (profiling/harness.py) writes which dispatch is which; with ``rocprofv3`` the
+    counters are split into passes, each a separate run of the harness."""
+    import tempfile
+
+    import pandas as pd
+
+    from .provenance import provenance
+
+    if profiler not in ("ncu", "rocprofv3"):
+        raise ValueError(f"profiler={profiler!r}: expected ncu or rocprofv3")
+    cset = load_counter_set(profiler, counters)
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="cpa-profile-"))
+    work.mkdir(parents=True, exist_ok=True)
+    mapping_path = work / "mapping.csv"
+    argv = harness_argv(grid, mapping_path, points=points, tilings=tilings, partition_sizes=partition_sizes,
+                        repeats=repeats)
+    if profiler == "ncu":
+        tidy = profile_ncu(cset, kernel_regex, argv, timeout=timeout)
+    else:
+        tidy = profile_rocprofv3(cset, kernel_regex, work / "rocprofv3", "cpa", argv, timeout=timeout)
+    mapping = pd.read_csv(mapping_path)
+    if device_spec is None:
+        from . import hardware
+
+        device_spec = hardware.H200 if profiler == "ncu" else hardware.MI300X
+    table = wide(derive(tidy, cset, device_constants(device_spec)))
+    keys = [c for c in mapping.columns if c not in ("dispatch", "repeat")]
+    joined = join_to_sweep(table, mapping.drop_duplicates(keys).drop(columns=["dispatch", "repeat"]),
+                           mapping, keys=keys)
+    prov = provenance()
+    joined = joined.assign(profiler=profiler, counter_set=counters if isinstance(counters, str) else
+                           ",".join(counters), **{k: prov[k] for k in ("device_name", "driver_version",
+                                                                        "torch_version", "git_commit", "timestamp",
+                                                                        "command")})
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
+    joined.to_parquet(tmp, index=False)
+    os.replace(tmp, out)
+    return joined
