@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old,
-# bench, sweep:<grid>, repeat.
+# bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -46,6 +46,14 @@ for step in "$@"; do
         timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m cpa.selfcheck --small 2>&1 | tail -8
         echo "compute-sanitizer $tool rc=${PIPESTATUS[0]}"
       done
+      ;;
+    profile)
+      # counters of the attention kernel through ncu: every tiling x partition size at 6 shapes
+      # (1x32k, 4x8k, 16x2k, 32x32k, 128x2k, 256x8k of llama70b-decode)
+      CPA_COMMAND="python3 -m cpa profile --profiler ncu --counters ${CPA_COUNTERS:-full} --grid llama70b-decode --points ${CPA_POINTS:-7,13,19,31,43,53} --out data/counters/h200-llama70b.parquet" \
+        timeout ${CPA_PROFILE_TIMEOUT:-540} $PY -m cpa profile --profiler ncu --counters ${CPA_COUNTERS:-full} \
+        --grid llama70b-decode --points ${CPA_POINTS:-7,13,19,31,43,53} --timeout ${CPA_PROFILE_TIMEOUT:-540} \
+        --out "$OUT/h200-llama70b-counters.parquet" 2>&1 | tail -30
       ;;
     ncu1)
       # one kernel, key sections: where the attention kernel's time goes
