@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old,
-# bench, sweep:<grid>, repeat, profile.
+# ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -66,6 +66,16 @@ for step in "$@"; do
       # A/B of two kernel knobs against the default build, mfma16 only
       CPA_NVCC_FLAGS="-DCPA_MIN_BLOCKS=3" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench --tilings mfma16" \
         $PY -m cpa bench --tilings mfma16 --no-fused --out "$OUT/ab-minblocks3.csv" 2>&1 | grep -A30 "best_us" | head -20
+      ;;
+    ab-reduce)
+      # the few-partitions reduce kernel (-DCPA_REDUCE_FEW_MAX=16): correct (kernel GPU tests with
+      # the flag), and faster? (bench A/B against the default build, both tilings with matrix cores)
+      CPA_NVCC_FLAGS="-DCPA_REDUCE_FEW_MAX=16" timeout 300 $PY -m pytest -p cpa.testing -m gpu tests/test_kernel_gpu.py \
+        -q -x --tb=short 2>&1 | tail -4
+      A="--tilings mfma16,mfma4 --no-sdpa --no-fused --partition-sizes 256,512,1024 --batches 8,32,128 --contexts 2048,4096,8192"
+      CPA_NVCC_FLAGS="-DCPA_REDUCE_FEW_MAX=16" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_REDUCE_FEW_MAX=16 python3 -m cpa bench $A" \
+        timeout 150 $PY -m cpa bench $A --out "$OUT/ab-reduce-few.csv" 2>&1 | grep -A12 "best_us" | head -12
+      timeout 150 $PY -m cpa bench $A --out "$OUT/ab-reduce-default.csv" 2>&1 | grep -A12 "best_us" | head -12
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this

@@ -314,6 +314,50 @@ struct ReduceConfig {
   static_assert(THREADS % COLS == 0, "head size / 4 must divide the reduce workgroup");
 };
 
+// Few partitions (2 .. CPA_REDUCE_FEW_MAX per sequence): HEAD / 4 threads per head, several
+// heads per workgroup, one pass of online rescaling in registers -- no shared memory and no
+// barriers. The block-wide kernel below spends most of its time in its four barriers when
+// a head has only a handful of partials to combine. Off by default (0) until measured.
+#ifndef CPA_REDUCE_FEW_MAX
+#define CPA_REDUCE_FEW_MAX 0
+#endif
+
+template <class T, int HEAD>
+struct ReduceFewConfig {
+  static constexpr int THREADS = 256;
+  static constexpr int GROUP = HEAD / 4;              // threads per head: one float4 column each
+  static constexpr int HEADS = THREADS / GROUP;       // heads per workgroup
+  static_assert(THREADS % GROUP == 0, "head size / 4 must divide the reduce workgroup");
+};
+
+// grid (ceil(num_heads / HEADS), num_seqs)
+template <class T, int HEAD>
+__global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const ReduceParams p) {
+  using RC = ReduceFewConfig<T, HEAD>;
+  const int tid = thread_idx();
+  const int head = block_idx_x() * RC::HEADS + tid / RC::GROUP, col = tid % RC::GROUP, seq = block_idx_y();
+  if (head >= p.num_heads) return;
+  const int np = (p.seq_lens[seq] + p.partition_size - 1) / p.partition_size;
+  const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
+  float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 4
+  for (int i = 0; i < np; ++i) {
+    const float mi = p.max_logits[base + i], ei = p.exp_sums[base + i];
+    const u32x4 v = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
+    const float mn = fmaxf_(m, mi);
+    const float c = exp2f_fast((m - mn) * kLog2e), w = ei * exp2f_fast((mi - mn) * kLog2e);
+    wsum = wsum * c + w;
+    a0 = a0 * c + w * __uint_as_float(v.x); a1 = a1 * c + w * __uint_as_float(v.y);
+    a2 = a2 * c + w * __uint_as_float(v.z); a3 = a3 * c + w * __uint_as_float(v.w);
+    m = mn;
+  }
+  const float inv = 1.f / wsum;
+  uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) +
+                                            ((int64_t)seq * p.num_heads + head) * HEAD + 4 * col);
+  o[0] = T::pack(a0 * inv, a1 * inv);
+  o[1] = T::pack(a2 * inv, a3 * inv);
+}
+
 // grid (num_heads, num_seqs): out = sum_p w_p tmp_out_p / sum_p w_p,
 // w_p = exp_sums_p * exp(max_logits_p - max_q max_logits_q).
 template <class T, int HEAD>

@@ -21,6 +21,13 @@ int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* 
 
 template <class Cfg>
 int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
+  using T = typename Cfg::Dtype;
+  if (p.max_num_partitions <= CPA_REDUCE_FEW_MAX) {  // a handful of partials per head: no barriers
+    using RF = ReduceFewConfig<T, Cfg::head_size>;
+    dim3 grid((p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs);
+    paged_attention_reduce_few_kernel<T, Cfg::head_size><<<grid, RF::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
+    return (int)CPA_RT(GetLastError)();
+  }
   dim3 grid(p.num_heads, num_seqs);
   paged_attention_reduce_kernel<typename Cfg::Dtype, Cfg::head_size>
       <<<grid, ReduceConfig<typename Cfg::Dtype, Cfg::head_size>::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
