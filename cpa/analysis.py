@@ -108,9 +108,11 @@ def shipped_ceilings() -> dict:
 # ---------------------------------------------------------------------------- derived tables
 def cpa_rows(df):
     """Verified, timed rows of the CPA kernel (not the peers)."""
+    from .sweep import timed_rows
     from .variants import TILINGS
 
-    return df[df.tiling.isin(TILINGS) & df.verified.astype(bool) & df.error.isna() & df.time_us.notna()]
+    ok = timed_rows(df)
+    return ok[ok.tiling.isin(TILINGS)]
 
 
 def peer_names(df) -> list[str]:
@@ -143,7 +145,9 @@ def speedups(df, baseline_partition: int = 256):
                 "partition_size", "time_us", "gbps", "frac_peak_bw"]].copy()
     out[f"p{baseline_partition}_us"] = fixed.time_us
     out[f"vs_p{baseline_partition}"] = fixed.time_us / best.time_us
-    ok = df[df.verified.astype(bool) & df.error.isna() & df.time_us.notna()]
+    from .sweep import timed_rows
+
+    ok = timed_rows(df)
     for p in peer_names(df):
         t = ok[ok.tiling == p].set_index("point_id").time_us
         out[f"{p}_us"] = t

@@ -97,7 +97,9 @@ def bandwidth_roof(df, ceilings: dict | None = None):
                       axis=1)
     fig.add_trace(go.Scatter(x=best.kv_bytes / 2**20, y=best.gbps, mode="markers", name="CPA (best variant)",
                              text=text, marker=dict(size=8, symbol="circle")))
-    ok = df[df.verified.astype(bool) & df.error.isna() & df.time_us.notna()]
+    from .sweep import timed_rows
+
+    ok = timed_rows(df)
     for sym, p in zip(("diamond", "x", "triangle-up", "square"), A.peer_names(df)):
         r = ok[ok.tiling == p].sort_values("kv_bytes")
         fig.add_trace(go.Scatter(x=r.kv_bytes / 2**20, y=r.gbps, mode="markers", name=p,

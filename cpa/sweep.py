@@ -1284,7 +1284,7 @@ def summary_table(df):
     lines = []
     peer_names = [t for t in dict.fromkeys(df.tiling) if t not in _cpa_tilings()]
     for pid, g in df.groupby("point_id", sort=False):
-        ok = g[g.error.isna() & g.verified & g.time_us.notna()]
+        ok = timed_rows(g)
         cpa_ok = ok[ok.tiling.isin(_cpa_tilings())]
         first = g.iloc[0]
         line = {"num_seqs": int(first.num_seqs), "max_seq_len": int(first.max_seq_len),
@@ -1312,6 +1312,11 @@ def summary_table(df):
     return pd.DataFrame(lines)
 
 
+def timed_rows(df):
+    """Rows that were verified and timed (no error): the ones a comparison may use."""
+    return df[df.verified.astype(bool) & df.error.isna() & df.time_us.notna()]
+
+
 def repeat_spread(a, b):
     """Rows timed in both tables (same key, both verified): the two medians and their spread.
 
@@ -1319,8 +1324,7 @@ def repeat_spread(a, b):
     import pandas as pd
 
     cols = list(KEY) + ["time_us", "num_seqs", "max_seq_len"]
-    ok = lambda d: d[d.verified.astype(bool) & d.error.isna() & d.time_us.notna()][cols]  # noqa: E731
-    m = ok(a).merge(ok(b)[list(KEY) + ["time_us"]], on=list(KEY), suffixes=("_a", "_b"))
+    m = timed_rows(a)[cols].merge(timed_rows(b)[list(KEY) + ["time_us"]], on=list(KEY), suffixes=("_a", "_b"))
     if not len(m):
         return pd.DataFrame(columns=cols + ["time_us_a", "time_us_b", "spread"])
     m["spread"] = (m.time_us_a - m.time_us_b).abs() / m[["time_us_a", "time_us_b"]].min(axis=1)
