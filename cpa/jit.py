@@ -147,9 +147,9 @@ class BuiltKernel:
             raise KernelError(f"{what} launch of {self.variant.name} failed with runtime error {err} on {name}")
 
     def attributes(self) -> dict[str, dict[str, int]]:
-        """Registers, shared memory, stack, and resident blocks per SM/CU of both kernels."""
+        """Registers, shared memory, stack, and resident blocks per SM/CU of the three kernels."""
         res = {}
-        for which, kname in ((0, "attention"), (1, "reduce")):
+        for which, kname in ((0, "attention"), (1, "reduce"), (2, "reduce_few")):
             buf = (ctypes.c_int * 6)()
             self.check(self.lib.cpa_kernel_attributes(which, buf), f"attributes({kname})")
             res[kname] = dict(zip(("registers", "shared_bytes", "local_bytes", "max_threads_per_block",

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from . import hardware as hw
 from . import variants as V
 
-REDUCE_THREADS = 256  # cpa/csrc/attention.h ReduceConfig::THREADS
+REDUCE_THREADS = V.REDUCE_THREADS  # cpa/csrc/attention.h ReduceConfig / ReduceFewConfig::THREADS
 ATTN_WAVES = 4  # cpa/csrc/attention.h AttnConfig::NUM_WAVES
 
 
@@ -327,7 +327,8 @@ class GridOccupancy:
     wave_efficiency: float  # workgroups / (waves x slots): 1.0 = no quantization loss
     cu_fill: float  # min(workgroups, slots) / slots: fraction of slots busy in the first wave
     reduce_launched: bool  # the reduce kernel runs only when partitions > 1
-    reduce_workgroups: int  # num_heads x num_seqs (0 when not launched)
+    reduce_kernel: str  # "reduce", "reduce_few" (cpa.variants.reduce_kernel) or "" when not launched
+    reduce_workgroups: int  # that kernel's grid (0 when not launched)
     reduce_threads: int
     reduce_resident_per_cu: int
     reduce_waves: int
@@ -352,11 +353,13 @@ def resident_workgroups(arch: str, row, spec: hw.DeviceSpec | None = None) -> tu
 
 def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
                    attention: dict, reduce: dict | None = None, arch: str | None = None,
-                   spec: hw.DeviceSpec | None = None) -> GridOccupancy:
+                   spec: hw.DeviceSpec | None = None, reduce_few: dict | None = None) -> GridOccupancy:
     """Grid-level occupancy of one decode step.
 
-    `attention` / `reduce`: the kernels' resources, as a row of the ``cpa static`` table for
-    that arch (vgprs/agprs/sgprs/lds_bytes or registers/shared_bytes, threads_per_block).
+    `attention` / `reduce` / `reduce_few`: the kernels' resources, as a row of the ``cpa static``
+    table for that arch (vgprs/agprs/sgprs/lds_bytes or registers/shared_bytes,
+    threads_per_block). Which reduce kernel runs follows the launcher's rule
+    (``cpa.variants.reduce_kernel``); its resources may be left out (no reduce occupancy then).
     `spec` defaults to the arch's device (gfx942: MI300X, 304 CUs; gfx90a: one MI250X GCD;
     sm_90: H200, 132 SMs)."""
     if arch is None:
@@ -373,9 +376,11 @@ def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_
     if slots == 0:
         raise ValueError(f"{variant.name}: no workgroup of the attention kernel fits a CU/SM ({limit})")
     waves = _ceil_div(wg, slots)
-    launched = parts > 1
-    r_wg = num_heads * num_seqs if launched else 0
-    r_per_cu = resident_workgroups(arch, reduce, spec)[0] if (reduce is not None) else 0
+    r_kernel = V.reduce_kernel(parts, num_seqs, num_heads)
+    launched = r_kernel is not None
+    r_wg = V.reduce_workgroups(r_kernel, num_seqs, num_heads, variant.head_size)
+    r_res = reduce_few if r_kernel == "reduce_few" else reduce
+    r_per_cu = resident_workgroups(arch, r_res, spec)[0] if (launched and r_res is not None) else 0
     r_waves = _ceil_div(r_wg, r_per_cu * spec.compute_units) if (r_wg and r_per_cu) else 0
     one_way = num_seqs * num_heads * parts * (variant.head_size + 2) * 4 if launched else 0
     return GridOccupancy(
@@ -384,7 +389,7 @@ def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_
         partitions=parts, workgroups=wg, threads_per_workgroup=int(attention["threads_per_block"]),
         resident_per_cu=per_cu, limit=limit, compute_units=spec.compute_units, slots=slots,
         full_waves=wg // slots, tail_workgroups=wg % slots, waves=waves, wave_efficiency=wg / (waves * slots),
-        cu_fill=min(wg, slots) / slots, reduce_launched=launched, reduce_workgroups=r_wg,
+        cu_fill=min(wg, slots) / slots, reduce_launched=launched, reduce_kernel=r_kernel or "", reduce_workgroups=r_wg,
         reduce_threads=REDUCE_THREADS, reduce_resident_per_cu=r_per_cu, reduce_waves=r_waves,
         partials_bytes_written=one_way, partials_bytes_read=one_way, partials_bytes=2 * one_way)
 
@@ -395,12 +400,14 @@ def grid_from_table(df, variant: V.Variant, *, num_seqs: int, num_heads: int, nu
     rows = df[df.variant == variant.name]
     att = rows[rows.kernel == "attention"]
     red = rows[rows.kernel == "reduce"]
+    few = rows[rows.kernel == "reduce_few"]
     if len(att) != 1:
         raise KeyError(f"{variant.name}: {len(att)} attention rows in the table")
     arch = arch or str(att.iloc[0]["arch"])
     return grid_occupancy(variant=variant, num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                           max_seq_len=max_seq_len, attention=att.iloc[0].to_dict(),
-                          reduce=red.iloc[0].to_dict() if len(red) else None, arch=arch, spec=spec)
+                          reduce=red.iloc[0].to_dict() if len(red) else None, arch=arch, spec=spec,
+                          reduce_few=few.iloc[0].to_dict() if len(few) else None)
 
 
 def load_static_table(arch: str, root=None):

@@ -65,9 +65,10 @@ def attention_symbol_key(v: V.Variant) -> str:
             f"ELi{v.partition_size}ELi{v.heads_cap}E")
 
 
-def reduce_symbol_key(v: V.Variant) -> str:
+def reduce_symbol_key(v: V.Variant, kernel: str = "reduce") -> str:
     d = _dt(v)
-    return f"paged_attention_reduce_kernelINS_{len(d)}{d}ELi{v.head_size}E"
+    name = {"reduce": "paged_attention_reduce_kernel", "reduce_few": "paged_attention_reduce_few_kernel"}[kernel]
+    return f"{len(name)}{name}INS_{len(d)}{d}ELi{v.head_size}E"
 
 
 # ---------------------------------------------------------------- parsing
@@ -200,6 +201,8 @@ def _tu_source(group: list[V.Variant]) -> str:
         reduces.add((_dt(v), v.head_size))
     for d, h in sorted(reduces):
         lines.append(f"template __global__ void cpa::paged_attention_reduce_kernel<cpa::{d}, {h}>(cpa::ReduceParams);")
+        lines.append(f"template __global__ void cpa::paged_attention_reduce_few_kernel<cpa::{d}, {h}>"
+                     "(cpa::ReduceParams);")
     return "\n".join(lines) + "\n"
 
 
@@ -252,7 +255,8 @@ def _rows_for_group(group, arch, inc: Path = CSRC) -> list[dict]:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for v in group:
-        for kernel, key in (("attention", attention_symbol_key(v)), ("reduce", reduce_symbol_key(v))):
+        for kernel, key in (("attention", attention_symbol_key(v)), ("reduce", reduce_symbol_key(v)),
+                            ("reduce_few", reduce_symbol_key(v, "reduce_few"))):
             fn = [f for f in res if key in f]
             if len(fn) != 1:
                 raise RuntimeError(f"{arch}: expected one {kernel} kernel for {v.name}, found {fn}")
@@ -271,7 +275,7 @@ def _rows_for_group(group, arch, inc: Path = CSRC) -> list[dict]:
             else:
                 row.update(registers=r["registers"], shared_bytes=r["shared_bytes"], stack_bytes=r["stack_bytes"],
                            spills=r["spill_stores"] + r["spill_loads"])
-            cfg_threads = 4 * V.WAVE_SIZE[v.platform] if kernel == "attention" else 256
+            cfg_threads = 4 * V.WAVE_SIZE[v.platform] if kernel == "attention" else V.REDUCE_THREADS
             row["threads_per_block"] = cfg_threads
             row.update(mixes.get(fn, {}))
             rows.append(row)

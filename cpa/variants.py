@@ -142,7 +142,39 @@ class Variant:
             "(cpa::AttnParams);\n"
             f"template __global__ void cpa::paged_attention_reduce_kernel<"
             f"{ {'fp16': 'cpa::F16', 'bf16': 'cpa::BF16'}[self.dtype] }, {self.head_size}>(cpa::ReduceParams);\n"
+            f"template __global__ void cpa::paged_attention_reduce_few_kernel<"
+            f"{ {'fp16': 'cpa::F16', 'bf16': 'cpa::BF16'}[self.dtype] }, {self.head_size}>(cpa::ReduceParams);\n"
         )
+
+
+# The reduce kernel a launch picks (cpa/csrc/attention.h use_reduce_few and its macros; a
+# test checks these against the header). "reduce_few": HEAD / 4 threads per head combine a
+# handful of partials serially without barriers; "reduce": one workgroup per head.
+REDUCE_FEW_MAX = 16
+REDUCE_FEW_ALWAYS = 4
+REDUCE_FEW_MIN_HEADS = 1024
+REDUCE_THREADS = 256  # both reduce kernels' workgroup size
+
+
+def reduce_kernel(max_num_partitions: int, num_seqs: int, num_heads: int) -> str | None:
+    """'reduce_few', 'reduce', or None (one partition: the attention kernel writes `out`)."""
+    if max_num_partitions <= 1:
+        return None
+    if max_num_partitions <= REDUCE_FEW_MAX and (max_num_partitions <= REDUCE_FEW_ALWAYS
+                                                 or num_seqs * num_heads >= REDUCE_FEW_MIN_HEADS):
+        return "reduce_few"
+    return "reduce"
+
+
+def reduce_workgroups(kernel: str | None, num_seqs: int, num_heads: int, head_size: int) -> int:
+    """Workgroups of that reduce launch: (num_heads, num_seqs) for 'reduce', heads packed
+    REDUCE_THREADS / (head_size / 4) to a workgroup for 'reduce_few'."""
+    if kernel is None:
+        return 0
+    if kernel == "reduce":
+        return num_heads * num_seqs
+    per = REDUCE_THREADS // (head_size // 4)
+    return -(-num_heads // per) * num_seqs
 
 
 def dtype_name(dtype) -> str:

@@ -49,11 +49,29 @@ for step in "$@"; do
       ;;
     profile)
       # counters of the attention kernel through ncu: every tiling x partition size at 6 shapes
-      # (1x32k, 4x8k, 16x2k, 32x32k, 128x2k, 256x8k of llama70b-decode)
-      CPA_COMMAND="python3 -m cpa profile --profiler ncu --counters ${CPA_COUNTERS:-full} --grid llama70b-decode --points ${CPA_POINTS:-7,13,19,31,43,53} --out data/counters/h200-llama70b.parquet" \
-        timeout ${CPA_PROFILE_TIMEOUT:-540} $PY -m cpa profile --profiler ncu --counters ${CPA_COUNTERS:-full} \
-        --grid llama70b-decode --points ${CPA_POINTS:-7,13,19,31,43,53} --timeout ${CPA_PROFILE_TIMEOUT:-540} \
-        --out "$OUT/h200-llama70b-counters.parquet" 2>&1 | tail -30
+      # (1x32k, 4x8k, 16x2k, 32x32k, 128x2k, 256x8k of llama70b-decode), one ncu run per point
+      # so that a timeout keeps the points done; a set ncu refuses falls back to `basic`
+      mkdir -p "$OUT/counters"; t0=$SECONDS
+      for pt in $(echo ${CPA_POINTS:-7,13,19,31,43,53} | tr , ' '); do
+        for set in ${CPA_COUNTERS:-full} basic; do
+          CPA_COMMAND="python3 -m cpa profile --profiler ncu --counters $set --grid llama70b-decode --points $pt --out data/counters/h200-llama70b.parquet" \
+            timeout ${CPA_PROFILE_TIMEOUT:-200} $PY -m cpa profile --profiler ncu --counters $set \
+            --grid llama70b-decode --points $pt --timeout ${CPA_PROFILE_TIMEOUT:-200} \
+            --out "$OUT/counters/p$pt.parquet" > "$OUT/counters/p$pt-$set.log" 2>&1
+          rc=$?; echo "profile point $pt set $set rc=$rc at $((SECONDS - t0)) s"; tail -4 "$OUT/counters/p$pt-$set.log"
+          [ $rc = 0 ] && break
+        done
+      done
+      $PY - "$OUT/counters" <<'PYEOF'
+import sys, glob, pandas as pd
+fs = sorted(glob.glob(sys.argv[1] + "/p*.parquet"))
+if fs:
+    df = pd.concat([pd.read_parquet(f) for f in fs], ignore_index=True)
+    df.to_parquet(sys.argv[1] + "/h200-llama70b.parquet", index=False)
+    cols = [c for c in ("tiling", "partition_size", "num_seqs", "max_seq_len", "duration_ns", "dram_bandwidth",
+                        "achieved_occupancy", "matrix_core_busy", "l2_hit_rate") if c in df.columns]
+    print(len(df), "rows from", len(fs), "points"); print(df[cols].to_string(index=False, max_rows=100))
+PYEOF
       ;;
     ncu1)
       # one kernel, key sections: where the attention kernel's time goes
@@ -92,7 +110,8 @@ for step in "$@"; do
       # one named grid into $OUT/sweeps (resuming what data/sweeps already holds for it)
       g=${step#sweep:}; mkdir -p "$OUT/sweeps"
       f="$OUT/sweeps/h200-$g.parquet"
-      [ -f "data/sweeps/h200-$g.parquet" ] && cp "data/sweeps/h200-$g.parquet" "$f"
+      # CPA_SWEEP_FRESH=1: every row again at this commit (else resume what is shipped)
+      [ -z "${CPA_SWEEP_FRESH:-}" ] && [ -f "data/sweeps/h200-$g.parquet" ] && cp "data/sweeps/h200-$g.parquet" "$f"
       [ -f data/sweeps/h200-ceilings.json ] && [ ! -f "$OUT/sweeps/h200-ceilings.json" ] && \
         cp data/sweeps/h200-ceilings.json "$OUT/sweeps/"
       t0=$SECONDS

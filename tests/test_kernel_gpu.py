@@ -199,3 +199,46 @@ def test_fused_reduce(c):
         torch.cuda.synchronize()
         err = reference.relative_error(out, ref, per_seq=True)
         assert err <= tol, f"fused output relative error {err:.3g} > {tol:g}"
+
+
+# (num_seqs, num_heads, num_kv_heads, head_size, partition_size, max partitions, dtype, KV cache):
+# both sides of the launcher's reduce-kernel rule (cpa.variants.reduce_kernel). The matrix
+# above has 32k-token sequences in every batch, so its reduces are all block-wide.
+REDUCE_CASES = [
+    (3, 16, 2, 128, 256, 2, "fp16", "auto"),  # 48 heads, 2 partitions: few
+    (5, 16, 2, 64, 128, 4, "bf16", "fp8"),  # 80 heads, 4: few
+    (64, 16, 2, 128, 256, 8, "fp16", "auto"),  # 1024 heads, 8: few
+    (48, 32, 4, 256, 64, 16, "bf16", "auto"),  # 1536 heads, 16: few
+    (4, 16, 2, 128, 256, 8, "fp16", "fp8"),  # 64 heads, 8: block-wide
+    (64, 16, 2, 128, 64, 17, "bf16", "auto"),  # 17 partitions: block-wide
+]
+
+
+@pytest.mark.parametrize("c", REDUCE_CASES, ids=[f"s{c[0]}-h{c[1]}-d{c[3]}-p{c[4]}-n{c[5]}-{c[6]}-{c[7]}"
+                                                 for c in REDUCE_CASES])
+def test_reduce_kernel_choice(c):
+    """The launch runs the reduce kernel the rule names (seen by the profiler) and the
+    output matches the reference, with sequences of 1 .. max partitions."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    num_seqs, num_heads, num_kv_heads, head, P, n, dt, kv = c
+    g = torch.Generator().manual_seed(n * 1000 + num_seqs)
+    lens = [n * P, P, P + 1, 1, (n - 1) * P + 1] + torch.randint(1, n * P + 1, (num_seqs,), generator=g).tolist()
+    lens = lens[:num_seqs]
+    inp = make_paged_inputs(num_seqs, num_heads, num_kv_heads, head, 16, lens, dtype=TORCH_DTYPE[dt],
+                            kv_cache_dtype=kv, device="cuda", seed=n)
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling="mfma16", out=out)
+    assert launch.num_partitions == n
+    want = V.reduce_kernel(n, num_seqs, num_heads)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        launch()
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if "paged_attention_reduce" in e.key]
+    few = [k for k in names if "reduce_few" in k]
+    assert len(names) == 1 and bool(few) == (want == "reduce_few"), f"rule says {want}, launched {names}"
+    ref = reference.paged_attention(**inp.as_kwargs())
+    err = reference.relative_error(out, ref, per_seq=True)
+    assert err <= reference.REL_ERR_TOL[inp.query.dtype], f"output relative error {err:.3g}"

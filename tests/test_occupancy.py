@@ -212,14 +212,44 @@ def test_grid_llama70b_batch_tail():
                          **LLAMA70B)
     assert (g.workgroups, g.full_waves, g.tail_workgroups, g.waves) == (4096, 4, 448, 5)
     assert g.wave_efficiency == pytest.approx(4096 / 4560)
-    assert g.reduce_workgroups == 2048 and g.reduce_waves == 1  # 8 x 304 = 2432 slots
+    # 16 partitions, 32 x 64 = 2048 heads: the few-partitions reduce, 8 heads (of 32 threads
+    # each) per workgroup -> 256 workgroups; its resources were not given, so no residency
+    assert (g.reduce_kernel, g.reduce_workgroups, g.reduce_resident_per_cu, g.reduce_waves) == (
+        "reduce_few", 256, 0, 0)
+    # the same at 8 sequences (512 heads): the block-wide reduce, one workgroup per head
+    g = O.grid_occupancy(variant=v, num_seqs=8, max_seq_len=4096, attention=att, reduce=red, arch="gfx942",
+                         **LLAMA70B)
+    assert (g.reduce_kernel, g.reduce_workgroups, g.reduce_waves) == ("reduce", 512, 1)  # 8 x 304 slots
     # H200: 4096 workgroups over 4 x 132 = 528 slots: 7 full waves + 400
     att, red = _synthetic("sm_90")
+    few = dict(registers=40, shared_bytes=0, threads_per_block=256)
     v = V.Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
     g = O.grid_occupancy(variant=v, num_seqs=32, max_seq_len=4096, attention=att, reduce=red, arch="sm_90",
-                         **LLAMA70B)
+                         reduce_few=few, **LLAMA70B)
     assert (g.slots, g.full_waves, g.tail_workgroups, g.waves) == (528, 7, 400, 8)
-    assert g.reduce_resident_per_cu == 8  # 32 registers x 256 threads: 64 warps / 8
+    # 40 registers x 256 threads = 10240 of 65536: 6 blocks by registers; 8 warps each: 8 by warps
+    assert g.reduce_kernel == "reduce_few" and g.reduce_resident_per_cu == 6 and g.reduce_waves == 1
+    g = O.grid_occupancy(variant=v, num_seqs=32, max_seq_len=32768, attention=att, reduce=red, arch="sm_90",
+                         reduce_few=few, **LLAMA70B)
+    assert g.reduce_kernel == "reduce" and g.reduce_resident_per_cu == 8  # 32 registers x 256: 64 warps / 8
+    assert g.reduce_workgroups == 2048 and g.reduce_waves == 2  # 8 x 132 = 1056 slots
+
+
+def test_reduce_kernel_rule_matches_the_launcher():
+    """cpa.variants.reduce_kernel mirrors use_reduce_few() and its macros in attention.h."""
+    import re
+
+    src = (Path(V.__file__).parent / "csrc" / "attention.h").read_text()
+    macros = {m: int(re.search(rf"#define {m} (\d+)", src).group(1))
+              for m in ("CPA_REDUCE_FEW_MAX", "CPA_REDUCE_FEW_ALWAYS", "CPA_REDUCE_FEW_MIN_HEADS")}
+    assert macros == dict(CPA_REDUCE_FEW_MAX=V.REDUCE_FEW_MAX, CPA_REDUCE_FEW_ALWAYS=V.REDUCE_FEW_ALWAYS,
+                          CPA_REDUCE_FEW_MIN_HEADS=V.REDUCE_FEW_MIN_HEADS)
+    assert "max_num_partitions <= CPA_REDUCE_FEW_ALWAYS" in src and "num_seqs * num_heads >= " in src
+    assert V.reduce_kernel(1, 1, 64) is None
+    assert [V.reduce_kernel(n, 1, 64) for n in (2, 4, 5, 16, 17)] == ["reduce_few"] * 2 + ["reduce"] * 3
+    assert [V.reduce_kernel(n, 16, 64) for n in (5, 16, 17)] == ["reduce_few", "reduce_few", "reduce"]
+    assert V.reduce_workgroups("reduce_few", 3, 64, 64) == 3 * 4  # 16 threads per head: 16 heads a group
+    assert V.reduce_workgroups("reduce_few", 1, 20, 256) == 5  # 64 threads per head: 4 heads a group
 
 
 def test_grid_single_partition_has_no_reduce():

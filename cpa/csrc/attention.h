@@ -317,10 +317,28 @@ struct ReduceConfig {
 // Few partitions (2 .. CPA_REDUCE_FEW_MAX per sequence): HEAD / 4 threads per head, several
 // heads per workgroup, one pass of online rescaling in registers -- no shared memory and no
 // barriers. The block-wide kernel below spends most of its time in its four barriers when
-// a head has only a handful of partials to combine. Off by default (0) until measured.
+// a head has only a handful of partials to combine. But one head's partials are combined
+// serially here, so with few heads in flight (small batch) and 8+ partials the block-wide
+// kernel, which combines ROWS partials at once, is faster. H200 A/B (notes/kernel-notes.md):
+// always faster up to 4 partials; up to 16 at 2048+ heads (num_seqs x num_heads); slower
+// at 512 heads with 8-16. CPA_REDUCE_FEW_MIN_HEADS sits between the two measured counts.
+// -DCPA_REDUCE_FEW_MAX=0 compiles the choice out (block-wide kernel always).
 #ifndef CPA_REDUCE_FEW_MAX
-#define CPA_REDUCE_FEW_MAX 0
+#define CPA_REDUCE_FEW_MAX 16
 #endif
+#ifndef CPA_REDUCE_FEW_ALWAYS
+#define CPA_REDUCE_FEW_ALWAYS 4
+#endif
+#ifndef CPA_REDUCE_FEW_MIN_HEADS
+#define CPA_REDUCE_FEW_MIN_HEADS 1024
+#endif
+
+// Which reduce kernel a launch uses (cpa.variants.reduce_kernel mirrors this).
+inline bool use_reduce_few(int max_num_partitions, int num_seqs, int num_heads) {
+  if (max_num_partitions > CPA_REDUCE_FEW_MAX) return false;
+  return max_num_partitions <= CPA_REDUCE_FEW_ALWAYS ||
+         (long long)num_seqs * num_heads >= (long long)CPA_REDUCE_FEW_MIN_HEADS;
+}
 
 template <class T, int HEAD>
 struct ReduceFewConfig {

@@ -22,7 +22,7 @@ int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* 
 template <class Cfg>
 int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
   using T = typename Cfg::Dtype;
-  if (p.max_num_partitions <= CPA_REDUCE_FEW_MAX) {  // a handful of partials per head: no barriers
+  if (use_reduce_few(p.max_num_partitions, num_seqs, p.num_heads)) {  // a handful of partials per head
     using RF = ReduceFewConfig<T, Cfg::head_size>;
     dim3 grid((p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs);
     paged_attention_reduce_few_kernel<T, Cfg::head_size><<<grid, RF::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
@@ -34,7 +34,8 @@ int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
   return (int)CPA_RT(GetLastError)();
 }
 
-// which = 0: attention kernel, 1: reduce kernel. out[0..5] = registers per thread,
+// which = 0: attention kernel, 1: reduce kernel, 2: few-partitions reduce kernel.
+// out[0..5] = registers per thread,
 // static shared bytes, local (stack) bytes per thread, max threads per block,
 // threads per block launched, resident blocks per SM/CU for that launch.
 template <class Cfg>
@@ -45,10 +46,16 @@ int kernel_attributes(int which, int* out) {
     threads = Cfg::THREADS;
     err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)paged_attention_kernel<Cfg>);
     if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, paged_attention_kernel<Cfg>, threads, 0);
-  } else {
+  } else if (which == 1) {
     using RC = ReduceConfig<typename Cfg::Dtype, Cfg::head_size>;
     threads = RC::THREADS;
     auto k = paged_attention_reduce_kernel<typename Cfg::Dtype, Cfg::head_size>;
+    err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)k);
+    if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, k, threads, 0);
+  } else {
+    using RF = ReduceFewConfig<typename Cfg::Dtype, Cfg::head_size>;
+    threads = RF::THREADS;
+    auto k = paged_attention_reduce_few_kernel<typename Cfg::Dtype, Cfg::head_size>;
     err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)k);
     if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, k, threads, 0);
   }
