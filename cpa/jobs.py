@@ -107,26 +107,45 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
     torch.cuda.synchronize()
 
 
-def occupancy_check_all(out_csv: str) -> None:
+def occupancy_check_all(out_csv: str, chunk: int = 128, resume_from: str | None = None) -> None:
     """Every sm_90 variant: build (in parallel), then the Hopper calculator against
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor for both kernels (cpa.occupancy.h200_check)."""
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor for its kernels (cpa.occupancy.h200_check).
+
+    Chunked: the table is rewritten (atomically) after every `chunk` variants, so a timeout
+    keeps what was checked; `resume_from` (a table of an earlier run) skips the variants it
+    holds for the same kernel sources."""
+    import pandas as pd
+
     from . import occupancy as O
-    from .jit import device_arch, prebuild
+    from .jit import device_arch, prebuild, sources_digest
 
     platform, arch = device_arch()
     vs = list(V.all_variants(platform))
+    done = pd.DataFrame()
+    if resume_from and os.path.exists(resume_from):
+        old = pd.read_csv(resume_from)
+        done = old[old.sources_digest == sources_digest()[:16]] if "sources_digest" in old else old.iloc[:0]
+        vs = [v for v in vs if v.name not in set(done.variant)]
+        print(f"occupancy check: {done.variant.nunique() if len(done) else 0} variants already checked, "
+              f"{len(vs)} to go")
     t0 = time.time()
-    errors = [r for r in prebuild(vs, arch, progress=False) if r["error"]]
-    if errors:
-        raise RuntimeError(f"{len(errors)} variants failed to build, e.g. {errors[0]['variant']}: "
-                           f"{(errors[0]['error'] or '')[-1000:]}")
-    table = O.h200_check(vs)
-    tmp = out_csv + ".tmp"
-    table.to_csv(tmp, index=False)
-    os.replace(tmp, out_csv)
+    table = done
+    for i in range(0, len(vs), chunk):
+        part = vs[i:i + chunk]
+        errors = [r for r in prebuild(part, arch, progress=False) if r["error"]]
+        if errors:
+            raise RuntimeError(f"{len(errors)} variants failed to build, e.g. {errors[0]['variant']}: "
+                               f"{(errors[0]['error'] or '')[-1000:]}")
+        table = pd.concat([table, O.h200_check(part)], ignore_index=True)
+        tmp = out_csv + ".tmp"
+        table.to_csv(tmp, index=False)
+        os.replace(tmp, out_csv)
+        print(f"occupancy check: {table.variant.nunique()} variants, {len(table)} kernels, "
+              f"{time.time() - t0:.0f} s", flush=True)
     bad = table[~table["match"]]
-    print(f"occupancy check: {len(vs)} variants, {len(table)} kernels on {table.device_name.iloc[0]} in "
-          f"{time.time() - t0:.0f} s; calculator == CUDA runtime on {int(table['match'].sum())} of {len(table)}")
+    print(f"occupancy check: {table.variant.nunique()} variants, {len(table)} kernels on "
+          f"{table.device_name.iloc[0]} in {time.time() - t0:.0f} s; calculator == CUDA runtime on "
+          f"{int(table['match'].sum())} of {len(table)}")
     if len(bad):
         print(bad[["variant", "kernel", "registers", "shared_bytes", "blocks_per_sm_cuda", "blocks_per_sm_model",
                    "model_limit"]].head(20).to_string(index=False))
@@ -137,7 +156,8 @@ if __name__ == "__main__":
         build_time_main()
     elif sys.argv[1:2] == ["occupancy-check-all"]:
         occupancy_check_all(sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.environ.get("OUT", "."),
-                                                                               "h200-occupancy-check.csv"))
+                                                                               "h200-occupancy-check.csv"),
+                            resume_from=sys.argv[3] if len(sys.argv) > 3 else None)
     elif sys.argv[1:2] == ["profile-one"]:
         a = sys.argv[2:]
         profile_one(a[0], int(a[1]), int(a[2]), int(a[3]))

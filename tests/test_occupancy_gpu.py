@@ -65,7 +65,8 @@ def check():
 
 
 def test_model_equals_cuda_occupancy(check):
-    assert len(check) == 2 * len(VARIANTS)
+    assert len(check) == 3 * len(VARIANTS)  # attention, reduce, reduce_few
+    assert set(check.kernel) == {"attention", "reduce", "reduce_few"}
     bad = check[~check["match"]]
     assert bad.empty, "hopper_occupancy != cudaOccupancyMaxActiveBlocksPerMultiprocessor:\n" + bad[
         ["variant", "kernel", "registers", "shared_bytes", "threads_per_block", "blocks_per_sm_cuda",
