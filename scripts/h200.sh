@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old, ab-pipeline,
 # ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +96,18 @@ PYEOF
       CPA_NVCC_FLAGS="-DCPA_REDUCE_FEW_MAX=16" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_REDUCE_FEW_MAX=16 python3 -m cpa bench $A" \
         timeout 150 $PY -m cpa bench $A --out "$OUT/ab-reduce-few.csv" 2>&1 | grep -A12 "best_us" | head -12
       timeout 150 $PY -m cpa bench $A --out "$OUT/ab-reduce-default.csv" 2>&1 | grep -A12 "best_us" | head -12
+      ;;
+    ab-pipeline)
+      # the software-pipelined main loop (-DCPA_KV_PIPELINE=1): correct (kernel GPU tests with the
+      # flag), and faster? (bench A/B against the default build, the tilings with matrix cores)
+      F="-DCPA_KV_PIPELINE=1"
+      CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-300} $PY -m pytest -p cpa.testing -m gpu tests/test_kernel_gpu.py \
+        -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
+      A="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 ${CPA_AB_ARGS:-}"
+      CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A --no-sdpa" \
+        timeout 200 $PY -m cpa bench $A --no-sdpa --out "$OUT/ab-pipeline-on.csv" 2>&1 | grep -A20 "best_us" | head -20
+      CPA_COMMAND="python3 -m cpa bench $A" timeout 200 $PY -m cpa bench $A --out "$OUT/ab-pipeline-off.csv" 2>&1 \
+        | grep -A20 "best_us" | head -20
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this

@@ -20,6 +20,15 @@ namespace cpa {
 #define CPA_FUSED_REDUCE 1
 #endif
 
+// 1: software-pipelined main loop (next step's loads in flight during this step's math) for
+// the tilings that support it (HasPipeline); 0: load a step, then compute it.
+#ifndef CPA_KV_PIPELINE
+#define CPA_KV_PIPELINE 0
+#endif
+#ifndef CPA_PIPELINE_FENCE
+#define CPA_PIPELINE_FENCE() ((void)0)
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -102,6 +111,50 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np) {
   }
 }
 
+// Tilings that expose a step's raw loads (Raw, Offs, issue_k/v, expand_k/v) can run the
+// software-pipelined main loop.
+template <class Tl, class = void>
+struct HasPipeline { static constexpr bool value = false; };
+template <class Tl>
+struct HasPipeline<Tl, decltype(void(sizeof(typename Tl::Raw)))> { static constexpr bool value = true; };
+
+// One step of the online softmax on the scores s of tokens tok0 + s_token(e): scale, ALiBi,
+// mask past seq_len, rescale the running max m, sum l and output o, and leave P in s.
+template <class Tl>
+CPA_DEVICE void online_softmax_step(float (&s)[Tl::NS], float (&m)[Tl::LH], float (&l)[Tl::LH],
+                                    float (&o)[Tl::NO], const float (&slope)[Tl::LH], int tok0,
+                                    int seq_len, bool partial, float scale_log2) {
+  constexpr int NS = Tl::NS, NO = Tl::NO, LH = Tl::LH;
+  float mt[LH];
+#pragma unroll
+  for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < NS; ++e) {
+    const int lh = Tl::s_lhead(e);
+    const int tok = tok0 + Tl::s_token(e);
+    float x = s[e] * scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
+    if (partial && tok >= seq_len) x = -INFINITY;
+    s[e] = x;
+    mt[lh] = fmaxf_(mt[lh], x);
+  }
+  float alpha[LH];
+#pragma unroll
+  for (int lh = 0; lh < LH; ++lh) {
+    const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
+    alpha[lh] = exp2f_fast(m[lh] - mn);
+    l[lh] *= alpha[lh];
+    m[lh] = mn;
+  }
+#pragma unroll
+  for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
+#pragma unroll
+  for (int e = 0; e < NS; ++e) {
+    const int lh = Tl::s_lhead(e);
+    s[e] = exp2f_fast(s[e] - m[lh]);
+    l[lh] += s[e];
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
   using Tl = typename Cfg::Tiles;
@@ -137,43 +190,79 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 #pragma unroll
   for (int e = 0; e < NO; ++e) o[e] = 0.f;
 
+#if CPA_KV_PIPELINE
+  if constexpr (HasPipeline<Tl>::value) {
+    // Waves take steps of the partition round-robin. One step's loads are always in flight:
+    // the next step's K issues after this step's QK, its V after this step's P x V, and the
+    // block-table entries one step further ahead (the K address depends on them).
+    constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+    int tok0 = start + wave_id() * Tl::TOKENS;
+    typename Tl::Raw raw;
+    if (tok0 < end) {
+      const typename Tl::Offs first = Tl::offsets(cache, tok0);
+      Tl::issue_k(raw, cache, first, tok0);
+      Tl::issue_v(raw, cache, first, tok0);
+    }
+    typename Tl::Offs ahead = Tl::offsets(cache, tok0 + STRIDE);
+    for (; tok0 < end; tok0 += STRIDE) {
+      const int next = tok0 + STRIDE;
+      const bool more = next < end, partial = tok0 + Tl::TOKENS > seq_len;
+      typename Tl::KV kv;
+      float s[NS];
+      Tl::expand_k(kv, raw);
+      Tl::qk(s, q, kv, smem);
+      CPA_PIPELINE_FENCE();
+      if (more) Tl::issue_k(raw, cache, ahead, next);
+      online_softmax_step<Tl>(s, m, l, o, slope, tok0, seq_len, partial, p.scale_log2);
+      Tl::expand_v(kv, raw, tok0, partial, seq_len);
+      Tl::pv(o, s, kv, smem);
+      CPA_PIPELINE_FENCE();
+      if (more) {
+        Tl::issue_v(raw, cache, ahead, next);
+        ahead = Tl::offsets(cache, next + STRIDE);
+      }
+    }
+  } else
+#endif
+  {
   // Waves take steps of the partition round-robin; online softmax inside the wave.
-  for (int tok0 = start + wave_id() * Tl::TOKENS; tok0 < end; tok0 += Cfg::NUM_WAVES * Tl::TOKENS) {
-    const bool partial = tok0 + Tl::TOKENS > seq_len;
-    typename Tl::KV kv;
-    Tl::load_kv(kv, cache, tok0, partial);
-    float s[NS];
-    Tl::qk(s, q, kv, smem);
-
-    float mt[LH];
-#pragma unroll
-    for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
-#pragma unroll
-    for (int e = 0; e < NS; ++e) {
-      const int lh = Tl::s_lhead(e);
-      const int tok = tok0 + Tl::s_token(e);
-      float x = s[e] * p.scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
-      if (partial && tok >= seq_len) x = -INFINITY;
-      s[e] = x;
-      mt[lh] = fmaxf_(mt[lh], x);
+    for (int tok0 = start + wave_id() * Tl::TOKENS; tok0 < end; tok0 += Cfg::NUM_WAVES * Tl::TOKENS) {
+      const bool partial = tok0 + Tl::TOKENS > seq_len;
+      typename Tl::KV kv;
+      Tl::load_kv(kv, cache, tok0, partial);
+      float s[NS];
+      Tl::qk(s, q, kv, smem);
+  
+      float mt[LH];
+  #pragma unroll
+      for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
+  #pragma unroll
+      for (int e = 0; e < NS; ++e) {
+        const int lh = Tl::s_lhead(e);
+        const int tok = tok0 + Tl::s_token(e);
+        float x = s[e] * p.scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
+        if (partial && tok >= seq_len) x = -INFINITY;
+        s[e] = x;
+        mt[lh] = fmaxf_(mt[lh], x);
+      }
+      float alpha[LH];
+  #pragma unroll
+      for (int lh = 0; lh < LH; ++lh) {
+        const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
+        alpha[lh] = exp2f_fast(m[lh] - mn);
+        l[lh] *= alpha[lh];
+        m[lh] = mn;
+      }
+  #pragma unroll
+      for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
+  #pragma unroll
+      for (int e = 0; e < NS; ++e) {
+        const int lh = Tl::s_lhead(e);
+        s[e] = exp2f_fast(s[e] - m[lh]);
+        l[lh] += s[e];
+      }
+      Tl::pv(o, s, kv, smem);
     }
-    float alpha[LH];
-#pragma unroll
-    for (int lh = 0; lh < LH; ++lh) {
-      const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
-      alpha[lh] = exp2f_fast(m[lh] - mn);
-      l[lh] *= alpha[lh];
-      m[lh] = mn;
-    }
-#pragma unroll
-    for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
-#pragma unroll
-    for (int e = 0; e < NS; ++e) {
-      const int lh = Tl::s_lhead(e);
-      s[e] = exp2f_fast(s[e] - m[lh]);
-      l[lh] += s[e];
-    }
-    Tl::pv(o, s, kv, smem);
   }
 
 #pragma unroll
