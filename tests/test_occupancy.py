@@ -24,9 +24,9 @@ from cpa import variants as V
 DATA = Path(__file__).resolve().parent.parent / "data" / "static"
 AMD_RESOURCE_COLS = ["vgprs", "agprs", "sgprs", "lds_bytes", "scratch_bytes", "spills", "waves_per_simd_compiler"]
 NV_RESOURCE_COLS = ["registers", "shared_bytes", "stack_bytes", "spills"]
-# what the shipped tables cover (data/static/README.md): every mfma16 / mfma4 variant, and the
-# scalar tiling at these heads caps only (its larger caps compile slowly)
-SCALAR_CAPS_SHIPPED = (1, 8)
+# the shipped tables cover every valid variant of the platform (data/static/README.md), each
+# with its three kernels
+KERNELS = {"attention", "reduce", "reduce_few"}
 
 
 def _table(arch):
@@ -40,7 +40,7 @@ def _table(arch):
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
 def test_compiler_model_matches_every_row(arch):
     df = _table(arch)
-    assert set(df.kernel) == {"attention", "reduce"}
+    assert set(df.kernel) == KERNELS
     assert (df.arch == arch).all()
     cmp = O.compare_cdna(df)
     bad = cmp[cmp.compiler != cmp.compiler_model]
@@ -65,10 +65,10 @@ def test_hardware_model_differs_only_by_lds_blocks(arch):
 def test_tables_complete(arch):
     df = _table(arch)
     platform = V.platform_of_arch(arch)
-    names = {v.name for v in V.all_variants(platform) if v.tiling != "scalar" or v.heads_cap in SCALAR_CAPS_SHIPPED}
+    names = {v.name for v in V.all_variants(platform)}
     got = set(df.variant)
     assert got == names, f"{len(names - got)} documented variants missing, {len(got - names)} extra"
-    assert len(df) == 2 * len(got)
+    assert len(df) == len(KERNELS) * len(got) and set(df.kernel) == KERNELS
     assert df.sources_digest.nunique() == 1  # one snapshot of cpa/csrc per table
     if arch.startswith("gfx"):
         assert (df.waves_per_simd_compiler >= 1).all()
