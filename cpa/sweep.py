@@ -1107,6 +1107,37 @@ def read_results(path: str | os.PathLike):
     return table.to_pandas(), info
 
 
+def merge_results(into: str | os.PathLike, source: str | os.PathLike, *, tilings: Sequence[str]) -> int:
+    """Copy the rows of `tilings` from one results file into another where `into` has no row
+    of that (point, tiling, partition size), with the runs metadata of both (each row keeps
+    its own provenance columns). For a peer that one run could not import: its rows from an
+    earlier run on the same GPU. Atomic replace; returns the number of rows added."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    into = Path(into)
+    dst, dmeta = read_results(into)
+    src, smeta = read_results(source)
+    have = {row_key(a, b, c) for a, b, c in zip(dst.point_id, dst.tiling, dst.partition_size)}
+    add = src[src.tiling.isin(list(tilings))]
+    add = add[[row_key(a, b, c) not in have for a, b, c in zip(add.point_id, add.tiling, add.partition_size)]]
+    if not len(add):
+        return 0
+    used = set(add.run_id) if "run_id" in add else set()
+    runs = {r["run_id"]: r for r in dmeta.get("runs", [])}
+    runs.update({r["run_id"]: r for r in smeta.get("runs", []) if not used or r["run_id"] in used})
+    df = _normalize(pd.concat([dst, add], ignore_index=True))
+    table = _typed_table(df)
+    meta = dict(table.schema.metadata or {})
+    meta[META_VERSION_KEY] = str(SCHEMA_VERSION).encode()
+    meta[META_KEY] = json.dumps({"schema_version": SCHEMA_VERSION, "runs": list(runs.values())}).encode()
+    table = table.replace_schema_metadata(meta)
+    tmp = into.with_name(f".tmp-{os.getpid()}-{into.name}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, into)
+    return len(add)
+
+
 # ==================================================================================== engine
 def _new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f"-{os.getpid()}-{random.getrandbits(24):06x}"

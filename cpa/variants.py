@@ -241,9 +241,9 @@ DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "sm_90": [(16, "mfma16", 512, "measured: cpa sweep llama70b-decode on an H200, 2026-12-02 "
-                                  "(data/sweeps/h200-llama70b-decode.parquet, commit e7697f4): the best single "
-                                  "choice over 56 Llama-70B decode shapes, 1.074x the per-shape best (geometric "
-                                  "mean; mfma4/512 1.074x, mfma16/1024 1.078x); cpa.bench.best_fixed_choice")],
+                                  "(data/sweeps/h200-llama70b-decode.parquet, commit 3952a3a): the best single "
+                                  "choice over 56 Llama-70B decode shapes, 1.067x the per-shape best (geometric "
+                                  "mean; mfma4/512 1.069x, mfma16/1024 1.080x); cpa.bench.best_fixed_choice")],
 }
 FALLBACK_DEFAULT = (16, "mfma16", 256, "no entry for this arch: mfma16 / 256")
 

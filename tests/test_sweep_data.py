@@ -35,9 +35,16 @@ def test_every_row_of_the_grid_is_there_and_verified(shipped):
     want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in PEERS}
     got = {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)}
     assert got == want
-    assert df.verified.all() and df.error.isna().all()
-    assert (df.time_us_p25 <= df.time_us).all() and (df.time_us <= df.time_us_p75).all()
-    assert ((df.frac_peak_bw > 0) & (df.frac_peak_bw < 1.05)).all()
+    # every CPA row verified; a peer may fail (compile error, out of memory) but says why
+    cpa_rows = ~df.tiling.isin(PEERS)
+    assert df[cpa_rows].verified.all() and df[cpa_rows].error.isna().all()
+    failed = df[~df.verified]
+    assert failed.tiling.isin(PEERS).all() and failed.error.str.len().gt(0).all()
+    assert (df.verified == df.error.isna()).all()
+    ok = df[df.verified]
+    assert len(ok) >= 0.99 * len(df)
+    assert (ok.time_us_p25 <= ok.time_us).all() and (ok.time_us <= ok.time_us_p75).all()
+    assert ((ok.frac_peak_bw > 0) & (ok.frac_peak_bw < 1.05)).all()
     assert set(S.REQUIRED_COLUMNS) <= set(df.columns)
 
 
