@@ -14,17 +14,24 @@ from . import analysis as A
 _plotlyjs_sent = False
 
 
-def show(fig) -> None:
-    """Display a figure so that it is interactive both in a live Jupyter and in the static
-    HTML report: the plotly mimetype for Jupyter, and an HTML rendering (plotly.js inlined
-    once per kernel, so a page works offline) that nbconvert puts in the page."""
+def _bundle(fig) -> dict:
+    """The mime bundle of a figure: the plotly mimetype for Jupyter and an HTML rendering
+    (plotly.js inlined the first time in a kernel) for the static report."""
     global _plotlyjs_sent
-    from IPython.display import display
-
     html = fig.to_html(full_html=False, include_plotlyjs=not _plotlyjs_sent, default_height=fig.layout.height
                        or 480)
     _plotlyjs_sent = True
-    display({"application/vnd.plotly.v1+json": fig.to_plotly_json(), "text/html": html}, raw=True)
+    return {"application/vnd.plotly.v1+json": fig.to_plotly_json(), "text/html": html}
+
+
+def show(fig, *, display_id=None):
+    """Display a figure so that it is interactive both in a live Jupyter and in the static
+    HTML report: the plotly mimetype for Jupyter, and an HTML rendering (plotly.js inlined
+    once per kernel, so a page works offline) that nbconvert puts in the page. With
+    ``display_id=True`` returns the display handle (``handle.update(_bundle(fig), raw=True)``)."""
+    from IPython.display import display
+
+    return display(_bundle(fig), raw=True, display_id=display_id)
 
 
 def _label(df):
@@ -286,3 +293,188 @@ def single_choice_bars(table, *, title: str):
     fig.update_yaxes(range=[1.0, float(d.geomean_slowdown.max()) * 1.03])
     fig.update_layout(height=440, title=title)
     return fig
+
+
+# ------------------------------------------------------------------------ hardware counters
+_METRIC_LABEL = {
+    "duration_ns": "kernel duration (ns)", "achieved_occupancy": "achieved occupancy (of warp slots)",
+    "dram_read_bytes": "DRAM read bytes", "dram_write_bytes": "DRAM write bytes",
+    "dram_bandwidth": "DRAM bandwidth (B/s)", "l2_hit_rate": "L2 hit rate", "matrix_core_busy": "tensor pipe busy",
+    "valu_busy": "FMA pipe busy", "lds_bank_conflict_rate": "shared-memory bank conflicts per wavefront",
+    "registers_per_thread": "registers per thread", "occupancy_limit_registers": "blocks per SM (register limit)",
+    "shared_memory_bytes": "shared memory per block (B)", "block_size": "threads per block",
+    "grid_size": "blocks launched", "bw_ratio": "counter / sweep bandwidth", "time_ratio": "profiled / swept time",
+    "read_ratio": "DRAM read / bytes the kernel must read"}
+
+
+def _counter_source(d) -> str:
+    names = sorted(set(d.device_name.dropna()))
+    prof = sorted(set(d.profiler.dropna())) if "profiler" in d else []
+    return f"measured with {', '.join(prof) or 'counters'} on {', '.join(names) or '?'}"
+
+
+def counters_vs_partition(joined, metric: str, *, tilings=None, shapes=None):
+    """One counter (or a derived ratio) against partition size, one line per tiling, one
+    facet per shape. **measured** (attention kernel only)."""
+    import plotly.express as px
+
+    d = joined
+    if tilings:
+        d = d[d.tiling.isin(list(tilings))]
+    if shapes:
+        d = d[d["shape"].isin(list(shapes))]
+    d = d.sort_values(["num_seqs", "max_seq_len", "tiling", "partition_size"])
+    hover = [c for c in ("duration_ns", "attn_time_us", "dram_bandwidth", "achieved_occupancy", "grid_size")
+             if c in d.columns and c != metric]
+    fig = px.line(d, x="partition_size", y=metric, color="tiling", facet_col="shape", facet_col_wrap=3,
+                  markers=True, hover_data=hover, facet_row_spacing=0.1,
+                  labels={"partition_size": "partition size (tokens)", metric: _METRIC_LABEL.get(metric, metric)})
+    fig.update_xaxes(**_pow2_axis(d.partition_size))
+    fig.update_yaxes(matches=None, showticklabels=True)
+    rows = max(1, math.ceil(d["shape"].nunique() / 3))
+    fig.update_layout(height=270 * rows + 120,
+                      title=f"{_METRIC_LABEL.get(metric, metric)}: attention kernel ({_counter_source(d)})")
+    return fig
+
+
+def bandwidth_agreement(joined):
+    """DRAM bandwidth from the counters against the sweep's bytes / median attention time,
+    with the y = x line and a ±10% band. **measured** (both axes)."""
+    import plotly.graph_objects as go
+
+    d = joined.dropna(subset=["counter_dram_gbps", "sweep_attn_gbps"])
+    fig = go.Figure()
+    lo, hi = 0.0, float(max(d.counter_dram_gbps.max(), d.sweep_attn_gbps.max()) * 1.08)
+    for f, dash in ((1.0, "solid"), (0.9, "dot"), (1.1, "dot")):
+        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo * f, hi * f], mode="lines", showlegend=f == 1.0,
+                                 name="y = x (±10% dotted)", line=dict(color="gray", dash=dash, width=1)))
+    for ctx, g in d.groupby("max_seq_len"):
+        fig.add_trace(go.Scatter(
+            x=g.sweep_attn_gbps, y=g.counter_dram_gbps, mode="markers", name=f"ctx {int(ctx)}",
+            text=g.apply(lambda r: f"{r['shape']} {r.tiling}/{int(r.partition_size)}: ratio {r.bw_ratio:.3f}", axis=1),
+            marker=dict(size=8)))
+    fig.update_xaxes(title="sweep: attention bytes / median attn_time_us (GB/s)", range=[lo, hi])
+    fig.update_yaxes(title="ncu: (DRAM read + write bytes) / duration (GB/s)", range=[lo, hi])
+    fig.update_layout(height=560, width=720, title=f"Counter bandwidth against the sweep's ({_counter_source(d)})")
+    return fig
+
+
+def counter_roofline(joined, spec, *, read_ceiling_gbps: float | None = None):
+    """Achieved TFLOP/s (QK^T + PV flops / profiled duration) against arithmetic intensity
+    (flops / counted DRAM bytes), under the device's bandwidth and matrix-core roofs.
+    Points **measured**; roofs from the datasheet (`cpa.hardware`) and the measured read
+    ceiling."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    d = joined.dropna(subset=["arithmetic_intensity", "achieved_tflops"])
+    fig = go.Figure()
+    x = np.logspace(-1, 3.5, 200)
+    peak = spec.matrix_fp16_tflops
+    roofs = [(spec.hbm_bandwidth_bytes_per_s / 1e9, f"datasheet HBM {spec.hbm_bandwidth_bytes_per_s / 1e12:.2f} TB/s",
+              "dash")]
+    if read_ceiling_gbps:
+        roofs.append((read_ceiling_gbps, f"measured read ceiling {read_ceiling_gbps / 1e3:.2f} TB/s", "solid"))
+    for gbps, name, dash in roofs:
+        fig.add_trace(go.Scatter(x=x, y=np.minimum(x * gbps / 1e3, peak), mode="lines", name=name,
+                                 line=dict(color="gray", dash=dash, width=1)))
+    for t, g in d.groupby("tiling"):
+        fig.add_trace(go.Scatter(
+            x=g.arithmetic_intensity, y=g.achieved_tflops, mode="markers", name=t,
+            text=g.apply(lambda r: f"{r['shape']} P{int(r.partition_size)}", axis=1), marker=dict(size=8)))
+    fig.update_xaxes(type="log", title="arithmetic intensity (flop / DRAM byte, counted)")
+    fig.update_yaxes(type="log", title="achieved TFLOP/s")
+    fig.update_layout(height=520, title=f"Roofline of the attention kernel: {spec.name} roofs, points "
+                                        f"{_counter_source(d)} (dense fp16 matrix peak {peak:.0f} TFLOP/s)")
+    return fig
+
+
+def occupancy_achieved_vs_theoretical(table):
+    """Achieved occupancy (counters) against partition size, with the theoretical occupancy
+    of the compiled resources and the grid-limited one (fewer workgroups than slots), per
+    shape; one colour per tiling. Achieved **measured**, the other two **modeled** from
+    ``cpa static`` sm_90 resources."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    d = table.dropna(subset=["achieved_occupancy"]).sort_values(["num_seqs", "max_seq_len", "partition_size"])
+    shapes = list(dict.fromkeys(d["shape"]))
+    cols = 3
+    rows = max(1, math.ceil(len(shapes) / cols))
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=shapes, shared_yaxes=True,
+                        vertical_spacing=0.12, horizontal_spacing=0.05)
+    colors = dict(zip(sorted(d.tiling.unique()), ("#636efa", "#ef553b", "#00cc96", "#ab63fa")))
+    for i, s in enumerate(shapes):
+        r, c = divmod(i, cols)
+        g = d[d["shape"] == s]
+        for t, h in g.groupby("tiling"):
+            at = dict(row=r + 1, col=c + 1)
+            one = dict(legendgroup=t, showlegend=i == 0)
+            fig.add_trace(go.Scatter(x=h.partition_size, y=h.achieved_occupancy, mode="lines+markers",
+                                     name=f"{t} achieved", line=dict(color=colors[t]), **one), **at)
+            fig.add_trace(go.Scatter(x=h.partition_size, y=h.grid_limited_occupancy, mode="lines",
+                                     name=f"{t} grid-limited (model)", line=dict(color=colors[t], dash="dot"),
+                                     **one), **at)
+            fig.add_trace(go.Scatter(x=h.partition_size, y=h.theoretical_occupancy, mode="lines",
+                                     name=f"{t} theoretical (model)", line=dict(color=colors[t], dash="dash",
+                                                                                width=1), **one), **at)
+    fig.update_xaxes(**_pow2_axis(d.partition_size))
+    fig.update_yaxes(range=[0, 1.05])
+    fig.update_layout(height=280 * rows + 140, title=f"Achieved occupancy ({_counter_source(d)}) against the "
+                                                     "theoretical and grid-limited occupancy (modeled, sm_90 "
+                                                     "compiled resources)")
+    return fig
+
+
+class CounterExplorer:
+    """ipywidgets controls (counter, tilings, shapes) over :func:`counters_vs_partition`.
+
+    Displaying it shows the controls and the figure of the current selection; the figure is
+    an ordinary output updated in place through its display id (not an ``ipywidgets.Output``:
+    a figure that inlines plotly.js inside an Output widget stalls headless nbclient runs, and
+    a static page would need the widget JavaScript to show it). In a static page it shows
+    the first selection."""
+
+    def __init__(self, joined, metrics: list[str]):
+        import ipywidgets as W
+
+        if not metrics:
+            raise ValueError("counter_explorer: no metrics to choose from")
+        self.joined = joined
+        shapes = list(dict.fromkeys(joined["shape"]))
+        tilings = sorted(joined.tiling.unique())
+        self.metric = W.Dropdown(options=list(metrics), value=metrics[0], description="counter")
+        self.tilings = W.SelectMultiple(options=tilings, value=tuple(tilings), description="tilings",
+                                        rows=len(tilings))
+        self.shapes = W.SelectMultiple(options=shapes, value=tuple(shapes), description="shapes",
+                                       rows=min(6, len(shapes)))
+        self.controls = W.HBox([self.metric, self.tilings, self.shapes])
+        self.handle = None
+        self.figure = self._figure()
+        for w in (self.metric, self.tilings, self.shapes):
+            w.observe(self.redraw, names="value")
+
+    def _figure(self):
+        if not (self.tilings.value and self.shapes.value):
+            return None
+        return counters_vs_partition(self.joined, self.metric.value, tilings=self.tilings.value,
+                                     shapes=self.shapes.value)
+
+    def redraw(self, *_):
+        fig = self._figure()
+        if fig is None:
+            return
+        self.figure = fig
+        if self.handle is not None:
+            self.handle.update(_bundle(fig), raw=True)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.controls)
+        self.handle = show(self.figure, display_id=True)
+
+
+def counter_explorer(joined, metrics: list[str]) -> CounterExplorer:
+    """A :class:`CounterExplorer` (display it: the last expression of a cell)."""
+    return CounterExplorer(joined, metrics)

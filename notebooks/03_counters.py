@@ -1,0 +1,133 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Hardware counters: why the winner wins
+#
+# The sweep (notebook 01) says which partition size is fastest; the counters say why. This
+# page reads the counters that `cpa profile` collected with **Nsight Compute** (`ncu`, run as
+# a subprocess over `profiling/harness.py`) on the H200, for every tiling x partition size at
+# six shapes of `llama70b-decode`, and joins them to the sweep rows of the same variants.
+#
+# Everything here is **measured on the H200** (or modeled from the sm_90 compiled resources
+# where it says so). The same page works for `rocprofv3` on an MI300 (the portable metric
+# names in `profiling/rocprofv3.yaml`), but that path has **not yet run on an MI300**: no
+# AMD counters are shown, and nothing here speaks for one.
+#
+# The counters are of the attention kernel alone: the harness launches no reduce kernel, so
+# they are compared with the sweep's `attn_time_us`, not with the whole call.
+
+# %%
+from IPython.display import Markdown, display
+
+from cpa import analysis as A
+from cpa import counters as C
+from cpa import hardware as hw
+from cpa import plots as P
+
+counters = C.load("llama70b-decode")
+sweep = A.sweep_results("llama70b-decode", mode="shipped")
+display(Markdown(counters.banner()))
+display(Markdown("Joined to: " + sweep.banner()))
+joined = C.with_sweep(counters.df, sweep.df)
+print(f"{len(joined)} of {len(counters.df)} counter rows matched a verified sweep row; metrics: "
+      f"{', '.join(counters.metrics)}")
+
+# %% [markdown]
+# ## Explore a counter against partition size
+# Pick a counter (or one of the derived ratios), the tilings and the shapes. Each facet is
+# one (batch, context) shape; each line one tiling.
+
+# %%
+explore = [m for m in counters.metrics if m not in ("block_size", "shared_memory_bytes")] + \
+    [m for m in ("bw_ratio", "time_ratio", "read_ratio") if m in joined.columns]
+P.counter_explorer(joined, explore)
+
+# %% [markdown]
+# ## DRAM bandwidth: counters against the sweep's accounting
+# The sweep divides the bytes the attention kernel must move (K and V once, q, and the fp32
+# partials or `out`) by its median time over CUDA-graph replays that rotate through input sets
+# in different memory (so the L2 cannot serve one set from another); ncu divides the DRAM
+# bytes it counted by the duration of one profiled launch (`--clock-control none`, ncu's
+# default cache control flushing the caches before each replay pass). On long contexts
+# (>= 8k tokens) the two should agree within 10%.
+
+# %%
+agree = C.bandwidth_agreement(joined)
+display(agree.round(3))
+long = agree[agree.long_context]
+print(f"long contexts (>= 8k): counter / sweep bandwidth ratio {long.bw_ratio_min.min():.3f} .. "
+      f"{long.bw_ratio_max.max():.3f} over {int(long.rows.sum())} rows; within 10% at "
+      f"{int(long.within_10pct.sum())} of {len(long)} shapes")
+P.show(P.bandwidth_agreement(joined))
+
+# %% [markdown]
+# Where the two differ, two derived columns say why. `time_ratio` is the profiled duration
+# over the swept attention time. The short kernels (~40-210 µs) differ most: one profiled
+# launch under ncu against the median of graph replays with rotating inputs, so a short
+# kernel can read a few percent slower under ncu, and its counter bandwidth a few percent
+# lower; the long kernels (>= 250 µs) agree within about 1.5%. `read_ratio` is the counted DRAM reads
+# over the bytes the kernel must read (K and V once, q, block tables excluded): 1.00 means
+# every K/V byte came from DRAM exactly once — no re-reads from a poor access order, and no
+# help from the L2 (each launch reads its cache cold).
+
+# %%
+by_len = joined.assign(short=joined.attn_time_us < 250).groupby("short")[["time_ratio", "read_ratio", "bw_ratio"]]
+display(by_len.agg(["median", "min", "max"]).round(3).rename(index={True: "attn < 250 µs", False: "attn >= 250 µs"}))
+
+# %% [markdown]
+# ## Roofline
+# Decode attention does 4 x heads x tokens x head_size flops over ~2 x KV heads x tokens x
+# head_size x 2 bytes of KV cache: an arithmetic intensity of about the GQA ratio in flops
+# per byte (8 here; a little less counted, since the fp32 partials are traffic too, most of
+# it at small partitions), far left of the H200's ridge point (datasheet dense fp16 matrix
+# peak over HBM bandwidth). The distance below the bandwidth roof is the bandwidth lost.
+
+# %%
+ceil = sweep.ceilings()
+ridge = hw.H200.matrix_fp16_tflops * 1e12 / hw.H200.hbm_bandwidth_bytes_per_s
+ai = joined.arithmetic_intensity
+print(f"arithmetic intensity (counted): {ai.min():.2f} .. {ai.max():.2f} flop/byte (GQA ratio "
+      f"{int(joined.num_heads.iloc[0] // joined.num_kv_heads.iloc[0])}); H200 ridge point {ridge:.0f} flop/byte, "
+      f"{ridge / ai.max():.0f}x to the right")
+P.show(P.counter_roofline(joined, hw.H200, read_ceiling_gbps=ceil["read_gbps"]))
+
+# %% [markdown]
+# ## Achieved against theoretical occupancy
+# Theoretical: resident warps that the attention kernel's compiled registers and shared
+# memory allow per SM (sm_90 table of `cpa static`, the Hopper calculator that notebook 02
+# checks against the CUDA runtime), over 64 warp slots. Grid-limited: the same, capped by
+# the workgroups the launch has (sequences x partitions x KV heads): a large partition at a
+# small batch leaves SMs empty, which is the price that partition size pays for its cheaper
+# reduce. Achieved: `sm__warps_active` from the counters.
+
+# %%
+occ = C.theoretical_occupancy(joined)
+P.show(P.occupancy_achieved_vs_theoretical(occ))
+cols = ["shape", "tiling", "partition_size", "grid_size", "slots", "theoretical_occupancy", "grid_limited_occupancy",
+        "achieved_occupancy", "attn_time_us"]
+display(occ[[c for c in cols if c in occ.columns]].round(3).reset_index(drop=True))
+
+# %% [markdown]
+# ## Pipes and shared memory per partition size
+# Decode is bandwidth-bound, so the tensor pipe is nearly idle; what the counters add is
+# where the non-memory time goes. The shared-memory bank-conflict rate (conflicts per
+# shared-memory wavefront) of the matrix-core tilings is a lead for the kernel, not a result:
+# the counters do not say which instructions conflict, and the rate falling as the partition
+# grows points at a once-per-workgroup step (such as the cross-wave combine through shared
+# memory) rather than the main loop.
+
+# %%
+for m in ("matrix_core_busy", "valu_busy", "lds_bank_conflict_rate", "l2_hit_rate"):
+    if m in joined.columns and joined[m].notna().any():
+        P.show(P.counters_vs_partition(joined, m))
