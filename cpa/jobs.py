@@ -83,7 +83,10 @@ def build_time_main() -> dict:
     print(f"build time of {v.name} on {arch}: cold {res['cold']['build_call_seconds']:.1f} s "
           f"(compile {res['cold']['compile_seconds']:.1f} s), warm load in a new process "
           f"{res['warm']['build_call_seconds']:.3f} s (from cache: {res['warm']['from_cache']})")
-    res.update(variant=v.name, arch=arch)
+    from .provenance import provenance
+
+    os.environ.setdefault("CPA_COMMAND", "bash scripts/h200.sh buildtime  (python3 -m cpa.jobs buildtime)")
+    res.update(variant=v.name, arch=arch, provenance=provenance())
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "build_time.json"), "w") as f:

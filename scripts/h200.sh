@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old, ab-pipeline,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old, ab-async, racecheck-async,
 # ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,17 +97,32 @@ PYEOF
         timeout 150 $PY -m cpa bench $A --out "$OUT/ab-reduce-few.csv" 2>&1 | grep -A12 "best_us" | head -12
       timeout 150 $PY -m cpa bench $A --out "$OUT/ab-reduce-default.csv" 2>&1 | grep -A12 "best_us" | head -12
       ;;
-    ab-pipeline)
-      # the software-pipelined main loop (-DCPA_KV_PIPELINE=1): correct (kernel GPU tests with the
-      # flag), and faster? (bench A/B against the default build, the tilings with matrix cores)
-      F="-DCPA_KV_PIPELINE=1"
-      CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-300} $PY -m pytest -p cpa.testing -m gpu tests/test_kernel_gpu.py \
-        -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
+    ab-async)
+      # the staged main loop (-DCPA_KV_ASYNC=N: each wave's next step copied to shared memory
+      # with cp.async during this step's math; N=2 swizzles the slot): for each arm, correct
+      # (flagged variants prebuilt in parallel, then the kernel GPU tests) and faster (bench
+      # on the tilings with matrix cores); then the default build, same bench, right after
       A="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 ${CPA_AB_ARGS:-}"
-      CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A --no-sdpa" \
-        timeout 200 $PY -m cpa bench $A --no-sdpa --out "$OUT/ab-pipeline-on.csv" 2>&1 | grep -A20 "best_us" | head -20
-      CPA_COMMAND="python3 -m cpa bench $A" timeout 200 $PY -m cpa bench $A --out "$OUT/ab-pipeline-off.csv" 2>&1 \
-        | grep -A20 "best_us" | head -20
+      for n in ${CPA_ASYNC_ARMS:-1 2}; do
+        F="-DCPA_KV_ASYNC=$n"
+        CPA_NVCC_FLAGS="$F" $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -2
+        CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-150} $PY -m pytest -p cpa.testing -m gpu \
+          tests/test_kernel_gpu.py -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
+        CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A --no-sdpa" \
+          timeout 200 $PY -m cpa bench $A --no-sdpa --out "$OUT/ab-async$n-on.csv" 2>&1 | grep -A18 "best_us" | head -18
+      done
+      CPA_COMMAND="python3 -m cpa bench $A --no-sdpa" timeout 200 $PY -m cpa bench $A --no-sdpa \
+        --out "$OUT/ab-async-off.csv" 2>&1 | grep -A18 "best_us" | head -18
+      ;;
+    racecheck-async)
+      # compute-sanitizer on the staged loop's slot protocol (cp.async groups, warp syncs)
+      for n in ${CPA_ASYNC_ARMS:-1 2}; do
+        for tool in racecheck memcheck; do
+          CPA_NVCC_FLAGS="-DCPA_KV_ASYNC=$n" timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 \
+            $PY -m cpa.selfcheck --small 2>&1 | tail -3
+          echo "compute-sanitizer $tool with -DCPA_KV_ASYNC=$n rc=${PIPESTATUS[0]}"
+        done
+      done
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this
@@ -145,7 +160,8 @@ PYEOF
       $PY -m cpa sweep-spread "$OUT/sweeps/repeat-1.parquet" "$OUT/sweeps/repeat-2.parquet" 2>&1 | tail -25
       ;;
     bench)
-      timeout 540 $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} 2>&1 | tail -80
+      CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-}" \
+        timeout 540 $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} 2>&1 | tail -80
       ;;
     *) echo "unknown step $step"; exit 2;;
   esac

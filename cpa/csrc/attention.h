@@ -20,15 +20,6 @@ namespace cpa {
 #define CPA_FUSED_REDUCE 1
 #endif
 
-// 1: software-pipelined main loop (next step's loads in flight during this step's math) for
-// the tilings that support it (HasPipeline); 0: load a step, then compute it.
-#ifndef CPA_KV_PIPELINE
-#define CPA_KV_PIPELINE 0
-#endif
-#ifndef CPA_PIPELINE_FENCE
-#define CPA_PIPELINE_FENCE() ((void)0)
-#endif
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -67,6 +58,19 @@ struct ReduceParams {
   int partition_size;
 };
 
+// Tilings that stage steps in shared memory (define Staged), when CPA_KV_ASYNC is on.
+template <class Tl, class = void>
+struct StagesKV { static constexpr bool value = false; };
+#if CPA_KV_ASYNC
+template <class Tl>
+struct StagesKV<Tl, decltype(void(sizeof(typename Tl::Staged)))> { static constexpr bool value = true; };
+#endif
+
+template <class Tl, bool STAGED>
+struct StagedBytes { static constexpr int value = 0; };
+template <class Tl>
+struct StagedBytes<Tl, true> { static constexpr int value = Tl::Staged::BYTES; };
+
 // One compile-time variant. Tag: TilingMfma16 / TilingMfma4 / TilingScalar.
 template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int CAP>
 struct AttnConfig {
@@ -83,8 +87,60 @@ struct AttnConfig {
   static constexpr int SLOT = Tiles::HEADS_CAP * HEAD + 2 * Tiles::HEADS_CAP;
   static constexpr int COMBINE_FLOATS = (NUM_WAVES / 2) * SLOT;
   static constexpr int TILE_FLOATS = (Tiles::SMEM_BYTES + 3) / 4;
-  static constexpr int SMEM_FLOATS = COMBINE_FLOATS > TILE_FLOATS ? COMBINE_FLOATS : TILE_FLOATS;
+  static constexpr bool staged = StagesKV<Tiles>::value;
+  // staged: one 16-byte aligned slot per wave after the tiling's own shared memory (the
+  // cross-wave combine reuses it after the loop)
+  static constexpr int STAGE_AT = (TILE_FLOATS + 3) / 4 * 4;
+  static constexpr int LOOP_FLOATS = staged ? STAGE_AT + NUM_WAVES * StagedBytes<Tiles, staged>::value / 4 : TILE_FLOATS;
+  static constexpr int SMEM_FLOATS = COMBINE_FLOATS > LOOP_FLOATS ? COMBINE_FLOATS : LOOP_FLOATS;
 };
+
+// Where a wave's steps of K and V come from. Direct: straight from the paged cache into
+// registers. Staged: from the wave's shared-memory slot, which holds the step copied there
+// one step earlier; once read, the slot takes the next step's copies, so those loads are in
+// flight during this step's math without holding registers.
+template <class Cfg, bool STAGED = Cfg::staged>
+struct KVSteps {
+  using Tl = typename Cfg::Tiles;
+  using Cache = PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>;
+  const Cache& c;
+  CPA_DEVICE KVSteps(float*, const Cache& c, int, int) : c(c) {}
+  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) { Tl::load_kv(kv, c, tok0, partial); }
+};
+#if CPA_CUDA
+template <class Cfg>
+struct KVSteps<Cfg, true> {
+  using Tl = typename Cfg::Tiles;
+  using St = typename Tl::Staged;
+  using Cache = typename St::Cache;
+  const Cache& c;
+  St st;
+  int end;
+  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end)
+      : c(c), st{reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * St::BYTES, first, c.seq_len},
+        end(end) {
+    if (first < end) {
+      int64_t boff[St::NBLK];
+      St::offsets(boff, c, first);
+      st.issue(c, boff);
+    }
+  }
+  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int next) {
+    const bool more = next < end;
+    int64_t boff[St::NBLK];
+    if (more) St::offsets(boff, c, next);  // block-table reads first: they overlap the wait
+    cp_async_wait_all();
+    wave_sync();  // every lane's copies of this step are visible
+    st.tok0 = tok0;
+    Tl::load_kv(kv, st, tok0, partial);
+    if (more) {
+      wave_sync();  // every lane has read the slot
+      st.tok0 = next;
+      st.issue(c, boff);
+    }
+  }
+};
+#endif
 
 // out[h][:] = sum_p w_p tmp_out[h][p][:] / sum_p w_p over the np partitions of one
 // sequence, for the gqa heads from row0 (the fused reduce; partials come from the L2).
@@ -111,57 +167,17 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np) {
   }
 }
 
-// Tilings that expose a step's raw loads (Raw, Offs, issue_k/v, expand_k/v) can run the
-// software-pipelined main loop.
-template <class Tl, class = void>
-struct HasPipeline { static constexpr bool value = false; };
-template <class Tl>
-struct HasPipeline<Tl, decltype(void(sizeof(typename Tl::Raw)))> { static constexpr bool value = true; };
-
-// One step of the online softmax on the scores s of tokens tok0 + s_token(e): scale, ALiBi,
-// mask past seq_len, rescale the running max m, sum l and output o, and leave P in s.
-template <class Tl>
-CPA_DEVICE void online_softmax_step(float (&s)[Tl::NS], float (&m)[Tl::LH], float (&l)[Tl::LH],
-                                    float (&o)[Tl::NO], const float (&slope)[Tl::LH], int tok0,
-                                    int seq_len, bool partial, float scale_log2) {
-  constexpr int NS = Tl::NS, NO = Tl::NO, LH = Tl::LH;
-  float mt[LH];
-#pragma unroll
-  for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
-#pragma unroll
-  for (int e = 0; e < NS; ++e) {
-    const int lh = Tl::s_lhead(e);
-    const int tok = tok0 + Tl::s_token(e);
-    float x = s[e] * scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
-    if (partial && tok >= seq_len) x = -INFINITY;
-    s[e] = x;
-    mt[lh] = fmaxf_(mt[lh], x);
-  }
-  float alpha[LH];
-#pragma unroll
-  for (int lh = 0; lh < LH; ++lh) {
-    const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
-    alpha[lh] = exp2f_fast(m[lh] - mn);
-    l[lh] *= alpha[lh];
-    m[lh] = mn;
-  }
-#pragma unroll
-  for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
-#pragma unroll
-  for (int e = 0; e < NS; ++e) {
-    const int lh = Tl::s_lhead(e);
-    s[e] = exp2f_fast(s[e] - m[lh]);
-    l[lh] += s[e];
-  }
-}
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
   using Tl = typename Cfg::Tiles;
   using T = typename Cfg::Dtype;
   constexpr int HEAD = Cfg::head_size, BLOCK = Cfg::block_size, PARTITION = Cfg::partition_size;
   constexpr int NS = Tl::NS, NO = Tl::NO, LH = Tl::LH, CAPH = Tl::HEADS_CAP;
+#if CPA_KV_ASYNC
+  extern __shared__ __attribute__((aligned(16))) float smem[];  // Cfg::SMEM_FLOATS, set at launch
+#else
   __shared__ __attribute__((aligned(16))) float smem[Cfg::SMEM_FLOATS];
+#endif
 
   const int seq = block_idx_x(), part = block_idx_y(), kvh = block_idx_z();
   const int seq_len = p.seq_lens[seq];
@@ -190,79 +206,45 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 #pragma unroll
   for (int e = 0; e < NO; ++e) o[e] = 0.f;
 
-#if CPA_KV_PIPELINE
-  if constexpr (HasPipeline<Tl>::value) {
-    // Waves take steps of the partition round-robin. One step's loads are always in flight:
-    // the next step's K issues after this step's QK, its V after this step's P x V, and the
-    // block-table entries one step further ahead (the K address depends on them).
-    constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
-    int tok0 = start + wave_id() * Tl::TOKENS;
-    typename Tl::Raw raw;
-    if (tok0 < end) {
-      const typename Tl::Offs first = Tl::offsets(cache, tok0);
-      Tl::issue_k(raw, cache, first, tok0);
-      Tl::issue_v(raw, cache, first, tok0);
-    }
-    typename Tl::Offs ahead = Tl::offsets(cache, tok0 + STRIDE);
-    for (; tok0 < end; tok0 += STRIDE) {
-      const int next = tok0 + STRIDE;
-      const bool more = next < end, partial = tok0 + Tl::TOKENS > seq_len;
-      typename Tl::KV kv;
-      float s[NS];
-      Tl::expand_k(kv, raw);
-      Tl::qk(s, q, kv, smem);
-      CPA_PIPELINE_FENCE();
-      if (more) Tl::issue_k(raw, cache, ahead, next);
-      online_softmax_step<Tl>(s, m, l, o, slope, tok0, seq_len, partial, p.scale_log2);
-      Tl::expand_v(kv, raw, tok0, partial, seq_len);
-      Tl::pv(o, s, kv, smem);
-      CPA_PIPELINE_FENCE();
-      if (more) {
-        Tl::issue_v(raw, cache, ahead, next);
-        ahead = Tl::offsets(cache, next + STRIDE);
-      }
-    }
-  } else
-#endif
-  {
   // Waves take steps of the partition round-robin; online softmax inside the wave.
-    for (int tok0 = start + wave_id() * Tl::TOKENS; tok0 < end; tok0 += Cfg::NUM_WAVES * Tl::TOKENS) {
-      const bool partial = tok0 + Tl::TOKENS > seq_len;
-      typename Tl::KV kv;
-      Tl::load_kv(kv, cache, tok0, partial);
-      float s[NS];
-      Tl::qk(s, q, kv, smem);
-  
-      float mt[LH];
-  #pragma unroll
-      for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
-  #pragma unroll
-      for (int e = 0; e < NS; ++e) {
-        const int lh = Tl::s_lhead(e);
-        const int tok = tok0 + Tl::s_token(e);
-        float x = s[e] * p.scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
-        if (partial && tok >= seq_len) x = -INFINITY;
-        s[e] = x;
-        mt[lh] = fmaxf_(mt[lh], x);
-      }
-      float alpha[LH];
-  #pragma unroll
-      for (int lh = 0; lh < LH; ++lh) {
-        const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
-        alpha[lh] = exp2f_fast(m[lh] - mn);
-        l[lh] *= alpha[lh];
-        m[lh] = mn;
-      }
-  #pragma unroll
-      for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
-  #pragma unroll
-      for (int e = 0; e < NS; ++e) {
-        const int lh = Tl::s_lhead(e);
-        s[e] = exp2f_fast(s[e] - m[lh]);
-        l[lh] += s[e];
-      }
-      Tl::pv(o, s, kv, smem);
+  constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+  KVSteps<Cfg> steps(smem, cache, start + wave_id() * Tl::TOKENS, end);
+  for (int tok0 = start + wave_id() * Tl::TOKENS; tok0 < end; tok0 += STRIDE) {
+    const bool partial = tok0 + Tl::TOKENS > seq_len;
+    typename Tl::KV kv;
+    steps.load(kv, tok0, partial, tok0 + STRIDE);
+    float s[NS];
+    Tl::qk(s, q, kv, smem);
+
+    float mt[LH];
+#pragma unroll
+    for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+      const int lh = Tl::s_lhead(e);
+      const int tok = tok0 + Tl::s_token(e);
+      float x = s[e] * p.scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
+      if (partial && tok >= seq_len) x = -INFINITY;
+      s[e] = x;
+      mt[lh] = fmaxf_(mt[lh], x);
     }
+    float alpha[LH];
+#pragma unroll
+    for (int lh = 0; lh < LH; ++lh) {
+      const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
+      alpha[lh] = exp2f_fast(m[lh] - mn);
+      l[lh] *= alpha[lh];
+      m[lh] = mn;
+    }
+#pragma unroll
+    for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
+#pragma unroll
+    for (int e = 0; e < NS; ++e) {
+      const int lh = Tl::s_lhead(e);
+      s[e] = exp2f_fast(s[e] - m[lh]);
+      l[lh] += s[e];
+    }
+    Tl::pv(o, s, kv, smem);
   }
 
 #pragma unroll

@@ -12,10 +12,20 @@
 
 namespace cpa {
 
+// Dynamic shared memory of the attention kernel: all of it with the staged loop, else none.
+template <class Cfg>
+constexpr int dynamic_smem_bytes() { return CPA_KV_ASYNC ? Cfg::SMEM_FLOATS * 4 : 0; }
+
 template <class Cfg>
 int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
   dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
-  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
+  const int dyn = dynamic_smem_bytes<Cfg>();
+  if (dyn > 48 * 1024) {  // above the default limit: opt in (once per process is enough, cheap anyway)
+    static const int err = (int)CPA_RT(FuncSetAttribute)((const void*)paged_attention_kernel<Cfg>,
+                                                         CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
+    if (err) return err;
+  }
+  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dyn, (CPA_RT(Stream_t))stream>>>(p);
   return (int)CPA_RT(GetLastError)();
 }
 
@@ -36,16 +46,20 @@ int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
 
 // which = 0: attention kernel, 1: reduce kernel, 2: few-partitions reduce kernel.
 // out[0..5] = registers per thread,
-// static shared bytes, local (stack) bytes per thread, max threads per block,
+// shared bytes (static + dynamic), local (stack) bytes per thread, max threads per block,
 // threads per block launched, resident blocks per SM/CU for that launch.
 template <class Cfg>
 int kernel_attributes(int which, int* out) {
   CPA_RT(FuncAttributes) a;
-  int blocks = 0, threads = 0, err = 0;
+  int blocks = 0, threads = 0, err = 0, dyn = 0;
   if (which == 0) {
     threads = Cfg::THREADS;
+    dyn = dynamic_smem_bytes<Cfg>();
     err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)paged_attention_kernel<Cfg>);
-    if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, paged_attention_kernel<Cfg>, threads, 0);
+    if (!err && dyn > 48 * 1024)
+      err = (int)CPA_RT(FuncSetAttribute)((const void*)paged_attention_kernel<Cfg>,
+                                          CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
+    if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, paged_attention_kernel<Cfg>, threads, dyn);
   } else if (which == 1) {
     using RC = ReduceConfig<typename Cfg::Dtype, Cfg::head_size>;
     threads = RC::THREADS;
@@ -60,7 +74,7 @@ int kernel_attributes(int which, int* out) {
     if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, k, threads, 0);
   }
   if (err) return err;
-  out[0] = a.numRegs; out[1] = (int)a.sharedSizeBytes; out[2] = (int)a.localSizeBytes;
+  out[0] = a.numRegs; out[1] = (int)a.sharedSizeBytes + dyn; out[2] = (int)a.localSizeBytes;
   out[3] = a.maxThreadsPerBlock; out[4] = threads; out[5] = blocks;
   return 0;
 }

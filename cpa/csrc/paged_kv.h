@@ -5,6 +5,19 @@
 #pragma once
 #include "platform.h"
 
+// 1: the staged main loop on the tilings that can stage (Tiles::Staged; the NVIDIA mma
+// tilings): each wave's next step of K and V is copied into its shared-memory slot with
+// cp.async while it computes the current one (kernel shared memory becomes dynamic).
+// 2: the same with the slot XOR-swizzled so its reads are free of bank conflicts.
+// 0: each step loads K and V straight into registers. An A/B knob: CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=1.
+#ifndef CPA_KV_ASYNC
+#define CPA_KV_ASYNC 0
+#endif
+#if CPA_KV_ASYNC && !CPA_CUDA
+#undef CPA_KV_ASYNC
+#define CPA_KV_ASYNC 0  // only the NVIDIA mma tilings stage (cp.async)
+#endif
+
 namespace cpa {
 
 template <int HEAD, int BLOCK, bool FP8>
@@ -12,6 +25,8 @@ struct PagedKV {
   static constexpr int ELEM = FP8 ? 1 : 2;  // bytes per cached element
   static constexpr int X = 16 / ELEM;       // elements per 16-byte key chunk
   static_assert(HEAD % X == 0, "head size must be a multiple of the key chunk");
+
+  static constexpr bool kShared = false;  // loads go to global memory
 
   const uint8_t* k;          // key_cache  + kv_head offset
   const uint8_t* v;          // value_cache + kv_head offset
@@ -37,24 +52,86 @@ struct PagedKV {
   }
 };
 
+// One wave's shared-memory copy of one step (TOKENS tokens = NBLK whole blocks) of the cache:
+// the NBLK key blocks, then the NBLK value blocks, each in the cache's own layout, so that
+// k_ptr / v_ptr address it exactly as they address the cache. Filled with cp.async (NVIDIA)
+// by the staged main loop (-DCPA_KV_ASYNC=1).
+//
+// SWIZZLE: 16-byte chunk positions are XOR-permuted (the same permutation at copy and at read)
+// so that the eight lanes of each shared-memory phase of the mma lane mapping hit distinct
+// banks: K chunk (row r = head chunk, column = token) goes to column ^ 2 (r & 3), and the
+// second block's V chunks move by 4 chunks (bytes ^ 64).
+template <int HEAD, int BLOCK, bool FP8, int TOKENS, bool SWIZZLE = (CPA_KV_ASYNC >= 2)>
+struct StagedKV {
+  using Cache = PagedKV<HEAD, BLOCK, FP8>;
+  static constexpr bool kShared = true;
+  static constexpr int ELEM = Cache::ELEM, X = Cache::X;
+  static constexpr int NBLK = TOKENS / BLOCK;
+  static constexpr int SLAB = HEAD * BLOCK * ELEM;  // one block of K (or of V) of one KV head
+  static constexpr int BYTES = 2 * NBLK * SLAB;
+  static_assert(TOKENS % BLOCK == 0, "a staged step holds whole blocks");
+  static_assert(SLAB % (16 * kWave) == 0, "a block's K is whole 16-byte chunks per lane");
+  static_assert(!SWIZZLE || (BLOCK >= 8 && NBLK <= 2 && SLAB >= 128), "the swizzle stays inside a block");
+
+  uint8_t* k;   // this wave's slot: K blocks at k, V blocks at k + NBLK * SLAB
+  int tok0;     // first token of the step the slot holds (a multiple of BLOCK)
+  int seq_len;
+
+  CPA_DEVICE int64_t block_offset(int token) const { return (int64_t)((token - tok0) / BLOCK) * SLAB; }
+  // Byte position in a K block of the chunk at (head chunk row, token column), and of V byte
+  // `at` of block b.
+  CPA_DEVICE static constexpr int k_pos(int row, int col) {
+    return (row * BLOCK + (SWIZZLE ? col ^ ((2 * row) & 6) : col)) * 16;
+  }
+  CPA_DEVICE static constexpr int v_pos(int b, int at) { return SWIZZLE ? at ^ (64 * b) : at; }
+  CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
+    return k + boff + k_pos(d / X, token % BLOCK) + (d % X) * ELEM;
+  }
+  CPA_DEVICE const uint8_t* v_ptr(int64_t boff, int d, int token) const {
+    return k + NBLK * SLAB + boff + v_pos((int)(boff / SLAB), (d * BLOCK + token % BLOCK) * ELEM);
+  }
+  // The cache offsets of the step at tok0 (block-table reads: issue them early).
+  CPA_DEVICE static void offsets(int64_t (&boff)[NBLK], const Cache& c, int tok0) {
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b) boff[b] = c.block_offset(tok0 + b * BLOCK);
+  }
+#if CPA_CUDA
+  // Copy the step whose block offsets are boff into the slot: one commit group per step.
+  CPA_DEVICE void issue(const Cache& c, const int64_t (&boff)[NBLK]) const {
+    constexpr int PER_LANE = SLAB / (16 * kWave);
+    const int lane16 = 16 * lane_id();
+#pragma unroll
+    for (int b = 0; b < NBLK; ++b)
+#pragma unroll
+      for (int j = 0; j < PER_LANE; ++j) {
+        const int at = j * 16 * kWave + lane16;
+        cp_async16(k + b * SLAB + k_pos(at / (16 * BLOCK), (at / 16) % BLOCK), c.k + boff[b] + at);
+        cp_async16(k + (NBLK + b) * SLAB + v_pos(b, at), c.v + boff[b] + at);
+      }
+    cp_async_commit();
+  }
+#endif
+};
+
 // Eight cached elements as four packed 16-bit registers of type T. For 16-bit caches
 // this is one 16-byte load; for fp8 one 8-byte load converted in registers (value / 256).
-template <class T, bool FP8>
+// SMEM: p points into a shared-memory copy of the cache (the staged main loop).
+template <class T, bool FP8, bool SMEM = false>
 CPA_DEVICE void load8_elems(uint32_t (&r)[4], const uint8_t* p) {
   if constexpr (FP8) {
-    u32x2 w = load8(p);
+    u32x2 w = SMEM ? lds8(p) : load8(p);
     u32x2 a = fp8x4_to_16bit<T>(w.x), b = fp8x4_to_16bit<T>(w.y);
     r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y;
   } else {
-    u32x4 w = load16(p);
+    u32x4 w = SMEM ? lds16(p) : load16(p);
     r[0] = w.x; r[1] = w.y; r[2] = w.z; r[3] = w.w;
   }
 }
 // 16 bytes of cache as packed 16-bit registers: 4 registers (8 elements) for 16-bit
 // caches, 8 registers (16 elements) for fp8. N must be 16 / ELEM / 2 * ... = X / 2.
-template <class T, bool FP8>
+template <class T, bool FP8, bool SMEM = false>
 CPA_DEVICE void load_chunk(uint32_t (&r)[FP8 ? 8 : 4], const uint8_t* p) {
-  u32x4 w = load16(p);
+  u32x4 w = SMEM ? lds16(p) : load16(p);
   if constexpr (FP8) {
     u32x2 a = fp8x4_to_16bit<T>(w.x), b = fp8x4_to_16bit<T>(w.y);
     u32x2 c = fp8x4_to_16bit<T>(w.z), d = fp8x4_to_16bit<T>(w.w);

@@ -8,6 +8,7 @@
 //   cpa::barrier()                workgroup barrier
 //   cpa::exp2f_fast(x)            hardware 2^x (v_exp_f32 / ex2.approx)
 //   cpa::load16 / load8 / load4   16/8/4-byte vector loads (uint4 / uint2 / uint32)
+//   cpa::lds16 / lds8, cp_async16 shared-memory loads; async global -> shared copies (NVIDIA)
 //   cpa::F16 / cpa::BF16          16-bit storage tags with pack/unpack of bit pairs
 //   cpa::fp8x4_to_16bit<T>        four e4m3fn bytes -> two packed 16-bit values (value / 256)
 //   matrix-core calls             cpa::mma_* (NVIDIA) and cpa::mfma_* (AMD), operands as
@@ -168,6 +169,36 @@ CPA_DEVICE int load_i32(const int* p) {
   return __ldg(p);
 #endif
 }
+
+// Asynchronous 16-byte global -> shared copies (NVIDIA cp.async, L1 bypassed): the loads stay
+// in flight without holding registers; lds16 / lds8 read them back. Only the staged main loop
+// (-DCPA_KV_ASYNC=1) uses them.
+CPA_DEVICE u32x4 lds16(const void* p) {
+#if CPA_HIP
+  typedef uint32_t v4u __attribute__((ext_vector_type(4)));
+  const v4u v = *reinterpret_cast<const v4u*>(p);
+#else
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+#endif
+  return {v.x, v.y, v.z, v.w};
+}
+CPA_DEVICE u32x2 lds8(const void* p) {
+#if CPA_HIP
+  typedef uint32_t v2u __attribute__((ext_vector_type(2)));
+  const v2u v = *reinterpret_cast<const v2u*>(p);
+#else
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+#endif
+  return {v.x, v.y};
+}
+#if CPA_CUDA
+CPA_DEVICE void cp_async16(void* smem, const void* g) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+}
+CPA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+CPA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+#endif
 
 // ---------------------------------------------------------------- 16-bit types
 // Storage is raw 16-bit; arithmetic happens in fp32 or on the matrix cores.

@@ -8,6 +8,8 @@
 //   Q, KV             register state: the query fragment, one step of loaded K and V
 //   load_q            the group's query into Q (zero for heads >= gqa)
 //   load_kv           one step of K and V through the block table (V past seq_len zeroed)
+//   Staged            (optional) the shared-memory copy of a step that load_kv can also read:
+//                     tilings that define it run the staged loop under -DCPA_KV_ASYNC=1
 //   qk                S = K q^T for the step (fp32, unscaled)
 //   pv                O += V P^T for the step, P given in the S layout
 //   s_token(e)        token (within the step) of score element e of this lane
@@ -101,7 +103,12 @@ struct MmaTiles {
   }
   CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
-  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+  // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
+  // (Src = Staged): the same lane mapping either way.
+  using Staged = StagedKV<HEAD, BLOCK, FP8, TOKENS>;
+  template <class Src>
+  CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
+    constexpr bool S = Src::kShared;
     const int g = g_(), t = t_();
     const int ktok = tok0 + 8 * (g >> 1) + (g & 1);
     const int64_t kb = c.block_offset(ktok);
@@ -111,13 +118,13 @@ struct MmaTiles {
       for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
         for (int p = 0; p < KG; ++p)
-          load_chunk<T, FP8>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
+          load_chunk<T, FP8, S>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
     const int vtok = tok0 + 8 * t;
     const int64_t vb = c.block_offset(vtok);
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) load8_elems<T, FP8>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
+      for (int rr = 0; rr < 2; ++rr) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
     if (partial) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -126,86 +133,6 @@ struct MmaTiles {
 #pragma unroll
           for (int u = 0; u < 4; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, c.seq_len);
     }
-  }
-
-  // Software pipeline (attention.h, CPA_KV_PIPELINE): a step's raw cache bytes are loop-
-  // carried, so the next step's K loads issue right after this step's QK and its V loads
-  // right after P x V. Conversion (fp8) and masking happen at use, after the wait.
-  struct Offs { int64_t kb, vb; };
-  struct Raw {
-    uint32_t k[2][2][KG][4];          // 16-byte key loads, as loaded
-    uint32_t v[MT][2][FP8 ? 2 : 4];   // eight V elements: 8 (fp8) or 16 bytes
-  };
-  CPA_DEVICE static Offs offsets(const KV_& c, int tok0) {
-    const int g = g_(), t = t_();
-    return {c.block_offset(tok0 + 8 * (g >> 1) + (g & 1)), c.block_offset(tok0 + 8 * t)};
-  }
-  CPA_DEVICE static void issue_k(Raw& r, const KV_& c, const Offs& o, int tok0) {
-    const int g = g_(), t = t_();
-    const int ktok = tok0 + 8 * (g >> 1) + (g & 1);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-        for (int p = 0; p < KG; ++p) {
-          const u32x4 w = load16(c.k_ptr(o.kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
-          r.k[i][rr][p][0] = w.x; r.k[i][rr][p][1] = w.y; r.k[i][rr][p][2] = w.z; r.k[i][rr][p][3] = w.w;
-        }
-  }
-  CPA_DEVICE static void issue_v(Raw& r, const KV_& c, const Offs& o, int tok0) {
-    const int g = g_(), vtok = tok0 + 8 * t_();
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const uint8_t* ptr = c.v_ptr(o.vb, 16 * m + g + 8 * rr, vtok);
-        if constexpr (FP8) {
-          const u32x2 w = load8(ptr);
-          r.v[m][rr][0] = w.x; r.v[m][rr][1] = w.y;
-        } else {
-          const u32x4 w = load16(ptr);
-          r.v[m][rr][0] = w.x; r.v[m][rr][1] = w.y; r.v[m][rr][2] = w.z; r.v[m][rr][3] = w.w;
-        }
-      }
-  }
-  CPA_DEVICE static void expand_k(KV& kv, const Raw& r) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-        for (int p = 0; p < KG; ++p) {
-          if constexpr (FP8) {
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              const u32x2 h = fp8x4_to_16bit<T>(r.k[i][rr][p][u]);
-              kv.k[i][rr][p][2 * u] = h.x; kv.k[i][rr][p][2 * u + 1] = h.y;
-            }
-          } else {
-#pragma unroll
-            for (int u = 0; u < 4; ++u) kv.k[i][rr][p][u] = r.k[i][rr][p][u];
-          }
-        }
-  }
-  CPA_DEVICE static void expand_v(KV& kv, const Raw& r, int tok0, bool partial, int seq_len) {
-    const int vtok = tok0 + 8 * t_();
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        if constexpr (FP8) {
-          const u32x2 a = fp8x4_to_16bit<T>(r.v[m][rr][0]), b = fp8x4_to_16bit<T>(r.v[m][rr][1]);
-          kv.v[m][rr][0] = a.x; kv.v[m][rr][1] = a.y; kv.v[m][rr][2] = b.x; kv.v[m][rr][3] = b.y;
-        } else {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) kv.v[m][rr][u] = r.v[m][rr][u];
-        }
-        if (partial) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, seq_len);
-        }
-      }
   }
 
   CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
