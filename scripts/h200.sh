@@ -40,7 +40,7 @@ for step in "$@"; do
       $PY -m cpa.jobs buildtime
       ;;
     test)
-      CPA_VERIFY_CSV="$OUT/verification.csv" CPA_OCCUPANCY_CSV="$OUT/h200-occupancy-check.csv" timeout 480 $PY -m pytest -p cpa.testing -m gpu ${CPA_PYTEST_PATHS:-tests} -q -rs \
+      CPA_VERIFY_CSV="$OUT/verification.csv" CPA_OCCUPANCY_CSV="$OUT/h200-occupancy-check-tests.csv" timeout 480 $PY -m pytest -p cpa.testing -m gpu ${CPA_PYTEST_PATHS:-tests} -q -rs \
         --tb=short ${CPA_PYTEST_ARGS:-} 2>&1 | tail -60
       ;;
     sanitize)
