@@ -108,3 +108,43 @@ def test_scalar_tiling_has_no_matrix_instructions_anywhere(gfx942, sm90):
         s = df[(df.tiling == "scalar") & (df.kernel == "attention")]
         assert len(s) > 0
         assert (s[[c for c in df.columns if c.startswith("mma:")]].sum(axis=1) == 0).all()
+
+
+# The staged main loop is an A/B knob (-DCPA_KV_ASYNC=1|2, off by default): keep it compiling,
+# and make sure it only changes what it says it changes.
+_STAGED = [V.Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda"),
+           V.Variant("mfma4", 512, 64, 32, "bf16", "fp8", 8, "cuda"),
+           V.Variant("scalar", 256, 128, 16, "fp16", "auto", 8, "cuda")]
+
+
+def _attention_ptx(tmp_path, variants, flags):
+    import subprocess
+
+    from cpa import static
+    from cpa.jit import CSRC
+
+    src = tmp_path / "tu.cu"
+    src.write_text('#include "attention.h"\n' + "".join(
+        f"template __global__ void cpa::paged_attention_kernel<cpa::AttnConfig<{v.cpp_config()}>>(cpa::AttnParams);\n"
+        for v in variants))
+    out = tmp_path / "tu.ptx"
+    subprocess.run([static.find_nvcc(), "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", *flags, "-ptx", str(src),
+                    "-o", str(out)], check=True, capture_output=True, text=True)
+    entries = static.split_ptx_entries(out.read_text())
+    return {next(v.name for v in variants if static.attention_symbol_key(v) in name): "\n".join(body)
+            for name, body in entries.items()}
+
+
+@pytest.mark.parametrize("arm", ["1", "2"])
+def test_sm90_staged_loop_uses_cp_async_only_when_asked(tmp_path, arm):
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    staged = _attention_ptx(tmp_path, _STAGED, [f"-DCPA_KV_ASYNC={arm}"])
+    direct = _attention_ptx(tmp_path, _STAGED, [])
+    for v in _STAGED:
+        if v.tiling == "scalar":  # no Staged: the scalar tiling keeps its direct loads
+            assert "cp.async" not in staged[v.name]
+            continue
+        assert "cp.async.cg.shared.global" in staged[v.name] and "cp.async.wait_group" in staged[v.name]
+        assert "ld.shared.v4" in staged[v.name] or "ld.shared.v2" in staged[v.name]
+        assert "cp.async" not in direct[v.name]
