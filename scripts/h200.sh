@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old, ab-async, racecheck-async,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old, ab-async, ab-flag, racecheck-async,
 # ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,6 +123,20 @@ PYEOF
           echo "compute-sanitizer $tool with -DCPA_KV_ASYNC=$n rc=${PIPESTATUS[0]}"
         done
       done
+      ;;
+    ab-flag)
+      # any kernel knob against the default build (CPA_AB_FLAG, e.g. -DCPA_V_AFTER_QK=1): flagged
+      # variants prebuilt in parallel, the kernel GPU tests with it, then the bench with and
+      # without it back to back (the tilings with matrix cores; CPA_AB_ARGS adds bench options)
+      F="${CPA_AB_FLAG:?set CPA_AB_FLAG}"; tag=$(echo "$F" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
+      A="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 ${CPA_AB_ARGS:-}"
+      CPA_NVCC_FLAGS="$F" $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -2
+      CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-150} $PY -m pytest -p cpa.testing -m gpu \
+        tests/test_kernel_gpu.py -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
+      CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A --no-sdpa" \
+        timeout 200 $PY -m cpa bench $A --no-sdpa --out "$OUT/ab-$tag-on.csv" 2>&1 | grep -A18 "best_us" | head -18
+      CPA_COMMAND="python3 -m cpa bench $A --no-sdpa" timeout 200 $PY -m cpa bench $A --no-sdpa \
+        --out "$OUT/ab-$tag-off.csv" 2>&1 | grep -A18 "best_us" | head -18
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this

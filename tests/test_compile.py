@@ -148,3 +148,30 @@ def test_sm90_staged_loop_uses_cp_async_only_when_asked(tmp_path, arm):
         assert "cp.async.cg.shared.global" in staged[v.name] and "cp.async.wait_group" in staged[v.name]
         assert "ld.shared.v4" in staged[v.name] or "ld.shared.v2" in staged[v.name]
         assert "cp.async" not in direct[v.name]
+
+
+def test_v_after_qk_knob_frees_registers(tmp_path):
+    """-DCPA_V_AFTER_QK=1 exists to keep K and V from being live together: with it, the mma
+    attention kernel at head 128 must need fewer registers than without and still not spill
+    (on sm_90 it fits 3 workgroups per SM: <= 168 registers)."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    import subprocess
+
+    from cpa import static
+    from cpa.jit import CSRC
+
+    v = V.Variant("mfma16", 512, 128, 16, "fp16", "auto", 8, "cuda")
+    src = tmp_path / "tu.cu"
+    src.write_text('#include "attention.h"\n' + f"template __global__ void cpa::paged_attention_kernel<"
+                   f"cpa::AttnConfig<{v.cpp_config()}>>(cpa::AttnParams);\n")
+    res = {}
+    for flags in ((), ("-DCPA_V_AFTER_QK=1",)):
+        p = subprocess.run([static.find_nvcc(), "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", *flags, "-cubin",
+                            "-Xptxas", "-v", str(src), "-o", str(tmp_path / "tu.cubin")],
+                           check=True, capture_output=True, text=True)
+        (fn,) = [f for k, f in static.parse_ptxas(p.stderr).items() if static.attention_symbol_key(v) in k]
+        res[flags] = fn
+    base, late = res[()], res[("-DCPA_V_AFTER_QK=1",)]
+    assert late["registers"] < base["registers"]
+    assert late["registers"] <= 168 and late["spill_stores"] == 0, late

@@ -20,6 +20,13 @@ namespace cpa {
 #define CPA_FUSED_REDUCE 1
 #endif
 
+// 1: load a step's V only after its QK (a compiler fence keeps the loads there), so K and V
+// are never live together: fewer registers (more resident workgroups), V's latency exposed
+// per wave. 0: K and V of a step are loaded together. An A/B knob.
+#ifndef CPA_V_AFTER_QK
+#define CPA_V_AFTER_QK 0
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -105,7 +112,15 @@ struct KVSteps {
   using Cache = PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>;
   const Cache& c;
   CPA_DEVICE KVSteps(float*, const Cache& c, int, int) : c(c) {}
-  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) { Tl::load_kv(kv, c, tok0, partial); }
+  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
+    Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, c, tok0, partial);
+  }
+  CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
+    if constexpr (CPA_V_AFTER_QK != 0) {
+      compiler_fence();
+      Tl::template load_kv<kLoadV>(kv, c, tok0, partial);
+    }
+  }
 };
 #if CPA_CUDA
 template <class Cfg>
@@ -139,6 +154,7 @@ struct KVSteps<Cfg, true> {
       st.issue(c, boff);
     }
   }
+  CPA_DEVICE void after_qk(typename Tl::KV&, int, bool) {}  // V came with K from the slot
 };
 #endif
 
@@ -215,6 +231,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     steps.load(kv, tok0, partial, tok0 + STRIDE);
     float s[NS];
     Tl::qk(s, q, kv, smem);
+    steps.after_qk(kv, tok0, partial);
 
     float mt[LH];
 #pragma unroll

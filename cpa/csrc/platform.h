@@ -63,6 +63,8 @@ CPA_DEVICE void barrier() { __syncthreads(); }
 #endif
 CPA_DEVICE int lane_id() { return thread_idx() & (CPA_WAVE - 1); }
 CPA_DEVICE int wave_id() { return thread_idx() / CPA_WAVE; }
+// Keeps the compiler from moving memory accesses across this point (no instruction).
+CPA_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
 // Orders shared-memory traffic among the lanes of one wave.
 CPA_DEVICE void wave_sync() {
 #if CPA_HIP

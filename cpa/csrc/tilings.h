@@ -7,7 +7,7 @@
 //   NS, NO, LH        scores, output accumulators and distinct query heads per lane
 //   Q, KV             register state: the query fragment, one step of loaded K and V
 //   load_q            the group's query into Q (zero for heads >= gqa)
-//   load_kv           one step of K and V through the block table (V past seq_len zeroed)
+//   load_kv<PARTS>    one step of K and/or V through the block table (V past seq_len zeroed)
 //   Staged            (optional) the shared-memory copy of a step that load_kv can also read:
 //                     tilings that define it run the staged loop under -DCPA_KV_ASYNC=1
 //   qk                S = K q^T for the step (fp32, unscaled)
@@ -26,6 +26,9 @@
 #include "paged_kv.h"
 
 namespace cpa {
+
+// Which half of a step load_kv loads (the kernel can load V only after QK: CPA_V_AFTER_QK).
+constexpr int kLoadK = 1, kLoadV = 2, kLoadKV = 3;
 
 struct TilingMfma16 {};  // 16x16x16 MFMA on AMD; mma.sync.m16n8k16 on NVIDIA
 struct TilingMfma4 {};   // 4x4x4 16-block MFMA on AMD; mma.sync.m16n8k8 on NVIDIA
@@ -106,10 +109,11 @@ struct MmaTiles {
   // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
   // (Src = Staged): the same lane mapping either way.
   using Staged = StagedKV<HEAD, BLOCK, FP8, TOKENS>;
-  template <class Src>
+  template <int PARTS = kLoadKV, class Src>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     constexpr bool S = Src::kShared;
     const int g = g_(), t = t_();
+    if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + 8 * (g >> 1) + (g & 1);
     const int64_t kb = c.block_offset(ktok);
 #pragma unroll
@@ -119,6 +123,8 @@ struct MmaTiles {
 #pragma unroll
         for (int p = 0; p < KG; ++p)
           load_chunk<T, FP8, S>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
+    }
+    if constexpr (!(PARTS & kLoadV)) return;
     const int vtok = tok0 + 8 * t;
     const int64_t vb = c.block_offset(vtok);
 #pragma unroll
@@ -244,14 +250,18 @@ struct Mfma16Tiles {
   CPA_DEVICE static float reduce_sum(float x) { x += shfl_xor(x, 16); return x + shfl_xor(x, 32); }
   CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
+  template <int PARTS = kLoadKV>
   CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
     const int r = r_(), qq = q_();
+    if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + 8 * (r >> 2) + (r & 3);
     const int64_t kb = c.block_offset(ktok);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int p = 0; p < KG; ++p) load_chunk<T, FP8>(kv.k[i][p], c.k_ptr(kb, ktok + 4 * i, (4 * p + qq) * X));
+    }
+    if constexpr (!(PARTS & kLoadV)) return;
     const int vtok = tok0 + 8 * qq;
     const int64_t vb = c.block_offset(vtok);
 #pragma unroll
@@ -349,11 +359,15 @@ struct Mfma4Tiles {
 #pragma unroll
     for (int e = 0; e < NO; ++e) o[e] = reduce_sum(o[e]);
   }
+  template <int PARTS = kLoadKV>
   CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+    if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + lane_id();
     const int64_t kb = c.block_offset(ktok);
 #pragma unroll
     for (int p = 0; p < KL; ++p) load_chunk<T, FP8>(kv.k[p], c.k_ptr(kb, ktok, p * X));
+    }
+    if constexpr (!(PARTS & kLoadV)) return;
     const int vtok = tok0 + 4 * b_();
     const int64_t vb = c.block_offset(vtok);
 #pragma unroll
@@ -434,11 +448,15 @@ struct ScalarTiles {
   }
   CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
+  template <int PARTS = kLoadKV>
   CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+    if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + lane_id();
     const int64_t kb = c.block_offset(ktok);
 #pragma unroll
     for (int p = 0; p < KL; ++p) load_chunk<T, FP8>(kv.k[p], c.k_ptr(kb, ktok, p * X));
+    }
+    if constexpr (!(PARTS & kLoadV)) return;
 #pragma unroll
     for (int u = 0; u < VL; ++u) {
       const int vtok = tok0 + 8 * u;
