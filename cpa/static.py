@@ -235,10 +235,12 @@ def _compile_amd(group, arch, work: Path, inc: Path = CSRC) -> tuple[dict, dict]
     return remarks, {f: amd_mix(m) for f, m in funcs.items()}
 
 
-def _compile_nv(group, arch, work: Path, inc: Path = CSRC) -> tuple[dict, dict]:
+def _compile_nv(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[dict, dict]:
+    """ptxas resources and PTX mix per function; the PTX stays in work/tu.ptx. `flags`: extra
+    nvcc options (the kernels' -D knobs)."""
     src = work / "tu.cu"
     src.write_text(_tu_source(group))
-    base = [find_nvcc(), "-std=c++17", f"-arch={arch}", "-O3", f"-I{inc}", str(src)]
+    base = [find_nvcc(), "-std=c++17", f"-arch={arch}", "-O3", f"-I{inc}", *flags, str(src)]
     p = _run(base + ["-cubin", "-Xptxas", "-v", "-o", "tu.cubin"], work)
     res = parse_ptxas(p.stderr)
     _run(base + ["-ptx", "-o", "tu.ptx"], work)

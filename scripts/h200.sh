@@ -8,6 +8,24 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CPA_CACHE_DIR="${CPA_CACHE_DIR:-/tmp/cpa-cache}"
 OUT="${OUT:-/tmp/cpa-out}"; mkdir -p "$OUT"
 PY=python3
+# A/B of a kernel knob: ab_on FLAGS TAG builds the flagged variants in parallel, runs the kernel
+# GPU tests with them and benches them ($OUT/ab-TAG-on.csv); ab_off TAG benches the default build
+# right after ($OUT/ab-TAG-off.csv). The bench covers the tilings with matrix cores at P 256-1024
+# (CPA_AB_ARGS adds options).
+AB_BENCH="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 --no-sdpa"
+ab_on() {
+  local F="$1" tag="$2" A="$AB_BENCH ${CPA_AB_ARGS:-}"
+  CPA_NVCC_FLAGS="$F" $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -2
+  CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-150} $PY -m pytest -p cpa.testing -m gpu \
+    tests/test_kernel_gpu.py -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
+  CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A" \
+    timeout 200 $PY -m cpa bench $A --out "$OUT/ab-$tag-on.csv" 2>&1 | grep -A18 "best_us" | head -18
+}
+ab_off() {
+  local A="$AB_BENCH ${CPA_AB_ARGS:-}"
+  CPA_COMMAND="python3 -m cpa bench $A" timeout 200 $PY -m cpa bench $A --out "$OUT/ab-$1-off.csv" 2>&1 \
+    | grep -A18 "best_us" | head -18
+}
 for step in "$@"; do
   echo "=== step $step ($(date -u +%H:%M:%S))"
   case "$step" in
@@ -99,20 +117,10 @@ PYEOF
       ;;
     ab-async)
       # the staged main loop (-DCPA_KV_ASYNC=N: each wave's next step copied to shared memory
-      # with cp.async during this step's math; N=2 swizzles the slot): for each arm, correct
-      # (flagged variants prebuilt in parallel, then the kernel GPU tests) and faster (bench
-      # on the tilings with matrix cores); then the default build, same bench, right after
-      A="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 ${CPA_AB_ARGS:-}"
-      for n in ${CPA_ASYNC_ARMS:-1 2}; do
-        F="-DCPA_KV_ASYNC=$n"
-        CPA_NVCC_FLAGS="$F" $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -2
-        CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-150} $PY -m pytest -p cpa.testing -m gpu \
-          tests/test_kernel_gpu.py -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
-        CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A --no-sdpa" \
-          timeout 200 $PY -m cpa bench $A --no-sdpa --out "$OUT/ab-async$n-on.csv" 2>&1 | grep -A18 "best_us" | head -18
-      done
-      CPA_COMMAND="python3 -m cpa bench $A --no-sdpa" timeout 200 $PY -m cpa bench $A --no-sdpa \
-        --out "$OUT/ab-async-off.csv" 2>&1 | grep -A18 "best_us" | head -18
+      # with cp.async during this step's math; N=2 swizzles the slot), each arm against the
+      # default build
+      for n in ${CPA_ASYNC_ARMS:-1 2}; do ab_on "-DCPA_KV_ASYNC=$n" "async$n"; done
+      ab_off async
       ;;
     racecheck-async)
       # compute-sanitizer on the staged loop's slot protocol (cp.async groups, warp syncs)
@@ -125,18 +133,9 @@ PYEOF
       done
       ;;
     ab-flag)
-      # any kernel knob against the default build (CPA_AB_FLAG, e.g. -DCPA_V_AFTER_QK=1): flagged
-      # variants prebuilt in parallel, the kernel GPU tests with it, then the bench with and
-      # without it back to back (the tilings with matrix cores; CPA_AB_ARGS adds bench options)
+      # any kernel knob against the default build (CPA_AB_FLAG, e.g. -DCPA_V_AFTER_QK=1)
       F="${CPA_AB_FLAG:?set CPA_AB_FLAG}"; tag=$(echo "$F" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
-      A="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 ${CPA_AB_ARGS:-}"
-      CPA_NVCC_FLAGS="$F" $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -2
-      CPA_NVCC_FLAGS="$F" timeout ${CPA_AB_TEST_TIMEOUT:-150} $PY -m pytest -p cpa.testing -m gpu \
-        tests/test_kernel_gpu.py -q -x --tb=short ${CPA_AB_TEST_ARGS:-} 2>&1 | tail -4
-      CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS=$F python3 -m cpa bench $A --no-sdpa" \
-        timeout 200 $PY -m cpa bench $A --no-sdpa --out "$OUT/ab-$tag-on.csv" 2>&1 | grep -A18 "best_us" | head -18
-      CPA_COMMAND="python3 -m cpa bench $A --no-sdpa" timeout 200 $PY -m cpa bench $A --no-sdpa \
-        --out "$OUT/ab-$tag-off.csv" 2>&1 | grep -A18 "best_us" | head -18
+      ab_on "$F" "$tag"; ab_off "$tag"
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this

@@ -117,30 +117,26 @@ _STAGED = [V.Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda"),
            V.Variant("scalar", 256, 128, 16, "fp16", "auto", 8, "cuda")]
 
 
-def _attention_ptx(tmp_path, variants, flags):
-    import subprocess
-
+def _sm90_attention(tmp_path, variants, flags=()):
+    """cpa.static's own nvcc compile of one TU with extra flags: per attention kernel of each
+    variant, its ptxas resources and its PTX text."""
     from cpa import static
-    from cpa.jit import CSRC
 
-    src = tmp_path / "tu.cu"
-    src.write_text('#include "attention.h"\n' + "".join(
-        f"template __global__ void cpa::paged_attention_kernel<cpa::AttnConfig<{v.cpp_config()}>>(cpa::AttnParams);\n"
-        for v in variants))
-    out = tmp_path / "tu.ptx"
-    subprocess.run([static.find_nvcc(), "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", *flags, "-ptx", str(src),
-                    "-o", str(out)], check=True, capture_output=True, text=True)
-    entries = static.split_ptx_entries(out.read_text())
-    return {next(v.name for v in variants if static.attention_symbol_key(v) in name): "\n".join(body)
-            for name, body in entries.items()}
+    res, _ = static._compile_nv(variants, "sm_90", tmp_path, flags=flags)
+    ptx = static.split_ptx_entries((tmp_path / "tu.ptx").read_text())
+
+    def by_variant(d):
+        return {v.name: next(x for k, x in d.items() if static.attention_symbol_key(v) in k) for v in variants}
+
+    return by_variant(res), {name: "\n".join(body) for name, body in by_variant(ptx).items()}
 
 
 @pytest.mark.parametrize("arm", ["1", "2"])
 def test_sm90_staged_loop_uses_cp_async_only_when_asked(tmp_path, arm):
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
-    staged = _attention_ptx(tmp_path, _STAGED, [f"-DCPA_KV_ASYNC={arm}"])
-    direct = _attention_ptx(tmp_path, _STAGED, [])
+    _, staged = _sm90_attention(tmp_path, _STAGED, [f"-DCPA_KV_ASYNC={arm}"])
+    _, direct = _sm90_attention(tmp_path, _STAGED)
     for v in _STAGED:
         if v.tiling == "scalar":  # no Staged: the scalar tiling keeps its direct loads
             assert "cp.async" not in staged[v.name]
@@ -156,22 +152,8 @@ def test_v_after_qk_knob_frees_registers(tmp_path):
     (on sm_90 it fits 3 workgroups per SM: <= 168 registers)."""
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
-    import subprocess
-
-    from cpa import static
-    from cpa.jit import CSRC
-
     v = V.Variant("mfma16", 512, 128, 16, "fp16", "auto", 8, "cuda")
-    src = tmp_path / "tu.cu"
-    src.write_text('#include "attention.h"\n' + f"template __global__ void cpa::paged_attention_kernel<"
-                   f"cpa::AttnConfig<{v.cpp_config()}>>(cpa::AttnParams);\n")
-    res = {}
-    for flags in ((), ("-DCPA_V_AFTER_QK=1",)):
-        p = subprocess.run([static.find_nvcc(), "-std=c++17", "-arch=sm_90", "-O3", f"-I{CSRC}", *flags, "-cubin",
-                            "-Xptxas", "-v", str(src), "-o", str(tmp_path / "tu.cubin")],
-                           check=True, capture_output=True, text=True)
-        (fn,) = [f for k, f in static.parse_ptxas(p.stderr).items() if static.attention_symbol_key(v) in k]
-        res[flags] = fn
-    base, late = res[()], res[("-DCPA_V_AFTER_QK=1",)]
+    base = _sm90_attention(tmp_path, [v])[0][v.name]
+    late = _sm90_attention(tmp_path, [v], ["-DCPA_V_AFTER_QK=1"])[0][v.name]
     assert late["registers"] < base["registers"]
     assert late["registers"] <= 168 and late["spill_stores"] == 0, late

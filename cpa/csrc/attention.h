@@ -224,8 +224,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 
   // Waves take steps of the partition round-robin; online softmax inside the wave.
   constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
-  KVSteps<Cfg> steps(smem, cache, start + wave_id() * Tl::TOKENS, end);
-  for (int tok0 = start + wave_id() * Tl::TOKENS; tok0 < end; tok0 += STRIDE) {
+  const int first = start + wave_id() * Tl::TOKENS;
+  KVSteps<Cfg> steps(smem, cache, first, end);
+  for (int tok0 = first; tok0 < end; tok0 += STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     steps.load(kv, tok0, partial, tok0 + STRIDE);

@@ -15,17 +15,21 @@ namespace cpa {
 // Dynamic shared memory of the attention kernel: all of it with the staged loop, else none.
 template <class Cfg>
 constexpr int dynamic_smem_bytes() { return CPA_KV_ASYNC ? Cfg::SMEM_FLOATS * 4 : 0; }
+// Above the 48 KiB default a kernel must opt in to its dynamic shared memory.
+template <class Cfg>
+int allow_dynamic_smem() {
+  const int dyn = dynamic_smem_bytes<Cfg>();
+  if (dyn <= 48 * 1024) return 0;
+  return (int)CPA_RT(FuncSetAttribute)((const void*)paged_attention_kernel<Cfg>,
+                                       CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
+}
 
 template <class Cfg>
 int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
   dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
-  const int dyn = dynamic_smem_bytes<Cfg>();
-  if (dyn > 48 * 1024) {  // above the default limit: opt in (once per process is enough, cheap anyway)
-    static const int err = (int)CPA_RT(FuncSetAttribute)((const void*)paged_attention_kernel<Cfg>,
-                                                         CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
-    if (err) return err;
-  }
-  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dyn, (CPA_RT(Stream_t))stream>>>(p);
+  static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
+  if (opt_in) return opt_in;
+  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), (CPA_RT(Stream_t))stream>>>(p);
   return (int)CPA_RT(GetLastError)();
 }
 
@@ -56,9 +60,7 @@ int kernel_attributes(int which, int* out) {
     threads = Cfg::THREADS;
     dyn = dynamic_smem_bytes<Cfg>();
     err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)paged_attention_kernel<Cfg>);
-    if (!err && dyn > 48 * 1024)
-      err = (int)CPA_RT(FuncSetAttribute)((const void*)paged_attention_kernel<Cfg>,
-                                          CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
+    if (!err) err = allow_dynamic_smem<Cfg>();
     if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, paged_attention_kernel<Cfg>, threads, dyn);
   } else if (which == 1) {
     using RC = ReduceConfig<typename Cfg::Dtype, Cfg::head_size>;
