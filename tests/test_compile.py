@@ -146,6 +146,27 @@ def test_sm90_staged_loop_uses_cp_async_only_when_asked(tmp_path, arm):
         assert "cp.async" not in direct[v.name]
 
 
+def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
+    """-DCPA_KV_ASYNC=3: the mma tilings fill their rings with TMA bulk copies that complete on
+    mbarriers (no per-16-byte cp.async), read them with ld.shared, and the main variant keeps
+    two workgroups per SM (<= 255 registers without spills; the dynamic shared memory of its
+    ring is checked on the H200 by the GPU tests)."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    res, ring = _sm90_attention(tmp_path, _STAGED, ["-DCPA_KV_ASYNC=3"])
+    for v in _STAGED:
+        bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+        if v.tiling == "scalar":
+            assert "cp.async" not in ring[v.name] and "mbarrier" not in ring[v.name]
+            continue
+        assert bulk in ring[v.name] and "mbarrier.try_wait.parity" in ring[v.name]
+        assert "mbarrier.arrive.expect_tx" in ring[v.name] and "fence.proxy.async" in ring[v.name]
+        assert "cp.async.cg" not in ring[v.name]
+        assert "ld.shared.v4" in ring[v.name] or "ld.shared.v2" in ring[v.name]
+    main = res[_STAGED[0].name]
+    assert main["spill_stores"] == 0 and main["registers"] <= 255, main
+
+
 def test_v_after_qk_knob_frees_registers(tmp_path):
     """-DCPA_V_AFTER_QK=1 exists to keep K and V from being live together: with it, the mma
     attention kernel at head 128 must need fewer registers than without and still not spill

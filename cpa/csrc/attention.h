@@ -94,7 +94,10 @@ struct AttnConfig {
   static constexpr int SLOT = Tiles::HEADS_CAP * HEAD + 2 * Tiles::HEADS_CAP;
   static constexpr int COMBINE_FLOATS = (NUM_WAVES / 2) * SLOT;
   static constexpr int TILE_FLOATS = (Tiles::SMEM_BYTES + 3) / 4;
-  static constexpr bool staged = StagesKV<Tiles>::value;
+  // (a stage that would not fit the SM's shared memory, e.g. the ring at head 256 block 32,
+  // leaves the variant on direct loads)
+  static constexpr bool staged = StagesKV<Tiles>::value &&
+                                 NUM_WAVES * StagedBytes<Tiles, StagesKV<Tiles>::value>::value <= 220 * 1024;
   // staged: one 16-byte aligned slot per wave after the tiling's own shared memory (the
   // cross-wave combine reuses it after the loop)
   static constexpr int STAGE_AT = (TILE_FLOATS + 3) / 4 * 4;
@@ -122,7 +125,59 @@ struct KVSteps {
     }
   }
 };
-#if CPA_CUDA
+#if CPA_CUDA && CPA_KV_ASYNC == 3
+// Ring: each lane first reads one block-table entry of the wave's blocks (so no block-table
+// read waits inside the loop), the wave issues its first RING blocks, and every step waits for
+// its blocks, reads them into registers and refills the freed slots RING blocks ahead.
+template <class Cfg>
+struct KVSteps<Cfg, true> {
+  using Tl = typename Cfg::Tiles;
+  using Ring = typename Tl::Staged;
+  using Cache = typename Ring::Cache;
+  static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+  static_assert(Cfg::partition_size / STRIDE * Ring::NBLK <= kWave, "one block-table entry per lane");
+  static_assert(Cfg::COMBINE_FLOATS * 4 <= Ring::RING * Ring::SLOT, "the combine stays clear of the mbarriers");
+  const Cache& c;
+  Ring ring;
+  int nblk;   // blocks of the wave's steps
+  int entry;  // lane l: physical block of wave block l
+  int j0 = 0;
+  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end) : c(c) {
+    uint8_t* mine = reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * Ring::BYTES;
+    ring = Ring{mine, reinterpret_cast<uint64_t*>(mine + Ring::RING * Ring::SLOT), first, 0, c.seq_len};
+    nblk = first < end ? (end - first + STRIDE - 1) / STRIDE * Ring::NBLK : 0;
+    const int l = lane_id();
+    entry = l < nblk ? c.physical_block(first + l / Ring::NBLK * STRIDE + l % Ring::NBLK * Cfg::block_size) : 0;
+    if (l == 0) {
+      for (int r = 0; r < Ring::RING; ++r) mbar_init(ring.bars + r, 1);
+      mbar_init_fence();
+    }
+    wave_sync();
+    for (int j = 0; j < Ring::RING && j < nblk; ++j) ring.issue(c, j, shfl_idx_i32(entry, j));
+  }
+  // K for QK, then V (a shared-memory read: no latency worth hiding, and K and V are never
+  // live together), then the freed slots take the blocks RING ahead.
+  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
+#pragma unroll
+    for (int b = 0; b < Ring::NBLK; ++b) ring.wait(j0 + b);
+    ring.tok0 = tok0;
+    ring.j0 = j0;
+    Tl::template load_kv<kLoadK>(kv, ring, tok0, partial);
+  }
+  CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
+    compiler_fence();
+    Tl::template load_kv<kLoadV>(kv, ring, tok0, partial);
+    fence_proxy_async_shared();  // this lane's slot reads come before the refill's writes
+    wave_sync();
+#pragma unroll
+    for (int b = 0; b < Ring::NBLK; ++b) {
+      const int j = j0 + b + Ring::RING;
+      if (j < nblk) ring.issue(c, j, shfl_idx_i32(entry, j));
+    }
+    j0 += Ring::NBLK;
+  }
+};
+#elif CPA_CUDA
 template <class Cfg>
 struct KVSteps<Cfg, true> {
   using Tl = typename Cfg::Tiles;

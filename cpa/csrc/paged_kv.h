@@ -9,9 +9,17 @@
 // tilings): each wave's next step of K and V is copied into its shared-memory slot with
 // cp.async while it computes the current one (kernel shared memory becomes dynamic).
 // 2: the same with the slot XOR-swizzled so its reads are free of bank conflicts.
+// 3: a ring of several block slots per wave, filled by bulk copies (TMA, sm_90) that complete
+// on mbarriers: each slot is refilled, RING blocks ahead, as soon as the wave has read it, so
+// about 1.5 steps per wave stay in flight during the math (RingKV).
 // 0: each step loads K and V straight into registers. An A/B knob: CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=1.
 #ifndef CPA_KV_ASYNC
 #define CPA_KV_ASYNC 0
+#endif
+// Shared memory a wave's ring may take (-DCPA_KV_ASYNC=3): 4 waves x 27.5 KB keeps two
+// workgroups per SM on Hopper (227 KB).
+#ifndef CPA_RING_BYTES_PER_WAVE
+#define CPA_RING_BYTES_PER_WAVE 28160
 #endif
 #if CPA_KV_ASYNC && !CPA_CUDA
 #undef CPA_KV_ASYNC
@@ -37,11 +45,12 @@ struct PagedKV {
 
   // Byte offset of the physical block holding `token`. Tokens past the sequence are
   // clamped into its last block: the loads stay in bounds and the kernel masks them.
-  CPA_DEVICE int64_t block_offset(int token) const {
+  CPA_DEVICE int physical_block(int token) const {
     int lb = token / BLOCK;
     lb = lb < num_seq_blocks ? lb : num_seq_blocks - 1;
-    return (int64_t)load_i32(block_table + lb) * block_stride;
+    return load_i32(block_table + lb);
   }
+  CPA_DEVICE int64_t block_offset(int token) const { return (int64_t)physical_block(token) * block_stride; }
   // K[token][d .. d + X) for d a multiple of X, or the half chunk at d % X == X / 2.
   CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
     return k + boff + ((d / X) * BLOCK + token % BLOCK) * 16 + (d % X) * ELEM;
@@ -110,6 +119,60 @@ struct StagedKV {
       }
     cp_async_commit();
   }
+#endif
+};
+
+// One wave's ring (-DCPA_KV_ASYNC=3): RING slots, each holding one cache block of K and V
+// copied by bulk copies (one per 16-byte-chunk row of K, one for V), and RING mbarriers.
+// Wave block j (its j-th block: step j / NBLK, block j % NBLK of the step) lives in slot
+// j % RING, its (j / RING)-th use of that slot. The copies pad the layout so that the mma lane
+// mapping reads it without bank conflicts: K rows at a pitch of 32 bytes mod 128 (the four
+// rows 4p + t of a phase on distinct banks), and a step's second block shifted by 64 bytes
+// (its V reads share a phase with the first block's).
+template <int HEAD, int BLOCK, bool FP8, int TOKENS>
+struct RingKV {
+  using Cache = PagedKV<HEAD, BLOCK, FP8>;
+  static constexpr bool kShared = true;
+  static constexpr int ELEM = Cache::ELEM, X = Cache::X;
+  static constexpr int NBLK = TOKENS / BLOCK;  // blocks per step
+  static constexpr int KROWS = HEAD / X;       // 16-byte-chunk rows of one key block
+  static constexpr int KROW = BLOCK * 16;      // bytes of such a row, contiguous in the cache
+  static constexpr int KPITCH = KROW + 32;
+  static constexpr int VBYTES = HEAD * BLOCK * ELEM;  // one value block, contiguous
+  static constexpr int V_AT = KROWS * KPITCH;
+  static constexpr int SLOT = (64 * (NBLK - 1) + V_AT + VBYTES + 127) / 128 * 128;
+  static constexpr int FIT = CPA_RING_BYTES_PER_WAVE / SLOT;
+  static constexpr int RING = FIT > NBLK + 1 ? (FIT < 8 ? FIT : 8) : NBLK + 1;
+  static constexpr int BYTES = RING * SLOT + (RING * 8 + 127) / 128 * 128;  // slots, then mbarriers
+  static_assert(TOKENS % BLOCK == 0 && KROW % 128 == 0, "a step is whole blocks of whole 128-byte rows");
+
+  uint8_t* base;   // this wave's slots
+  uint64_t* bars;  // this wave's mbarriers
+  int tok0, j0;    // the step being read: first token, first wave block
+  int seq_len;
+
+  CPA_DEVICE static int slot_offset(int j) { return (j % RING) * SLOT + 64 * (j % NBLK); }
+  CPA_DEVICE int64_t block_offset(int token) const { return slot_offset(j0 + (token - tok0) / BLOCK); }
+  CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
+    return base + boff + (d / X) * KPITCH + (token % BLOCK) * 16 + (d % X) * ELEM;
+  }
+  CPA_DEVICE const uint8_t* v_ptr(int64_t boff, int d, int token) const {
+    return base + boff + V_AT + (d * BLOCK + token % BLOCK) * ELEM;
+  }
+#if CPA_CUDA
+  // Copy wave block j (physical block `pblock` of the cache) into its slot; warp-uniform.
+  CPA_DEVICE void issue(const Cache& c, int j, int pblock) const {
+    uint8_t* dst = base + slot_offset(j);
+    uint64_t* bar = bars + j % RING;
+    const int64_t off = (int64_t)pblock * c.block_stride;
+    const int l = lane_id();
+    if (l == 0) mbar_arrive_expect_tx(bar, KROWS * KROW + VBYTES);
+    for (int r = l; r <= KROWS; r += kWave) {
+      if (r < KROWS) bulk_copy_to_shared(dst + r * KPITCH, c.k + off + r * KROW, KROW, bar);
+      else bulk_copy_to_shared(dst + V_AT, c.v + off, VBYTES, bar);
+    }
+  }
+  CPA_DEVICE void wait(int j) const { mbar_wait(bars + j % RING, (j / RING) & 1); }
 #endif
 };
 

@@ -9,6 +9,7 @@
 //   cpa::exp2f_fast(x)            hardware 2^x (v_exp_f32 / ex2.approx)
 //   cpa::load16 / load8 / load4   16/8/4-byte vector loads (uint4 / uint2 / uint32)
 //   cpa::lds16 / lds8, cp_async16 shared-memory loads; async global -> shared copies (NVIDIA)
+//   mbar_*, bulk_copy_to_shared   mbarriers and TMA bulk copies (NVIDIA sm_90, the ring loop)
 //   cpa::F16 / cpa::BF16          16-bit storage tags with pack/unpack of bit pairs
 //   cpa::fp8x4_to_16bit<T>        four e4m3fn bytes -> two packed 16-bit values (value / 256)
 //   matrix-core calls             cpa::mma_* (NVIDIA) and cpa::mfma_* (AMD), operands as
@@ -200,6 +201,34 @@ CPA_DEVICE void cp_async16(void* smem, const void* g) {
 }
 CPA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 CPA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Bulk copies (the TMA engine, sm_90) into shared memory, completing on an mbarrier: one lane
+// moves a whole contiguous run without registers or per-16-byte instructions. Only the
+// ring main loop (-DCPA_KV_ASYNC=3) uses them.
+CPA_DEVICE unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+CPA_DEVICE void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// Makes initialized mbarriers visible to the async proxy (the bulk copies' completions).
+CPA_DEVICE void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+// Arrive once and expect `bytes` of bulk-copy completions in the current phase.
+CPA_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Wait until the phase of parity `parity` has completed.
+CPA_DEVICE void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile("{ .reg .pred done;\n"
+               "WAIT:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra WAIT; }" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+CPA_DEVICE void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// Orders this thread's earlier shared-memory accesses before later bulk copies (async proxy).
+CPA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+CPA_DEVICE int shfl_idx_i32(int v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 #endif
 
 // ---------------------------------------------------------------- 16-bit types

@@ -24,6 +24,9 @@
 // both operands agree; every tiling uses that to turn 16-byte loads straight into fragments.
 #pragma once
 #include "paged_kv.h"
+#if CPA_CUDA
+#include <type_traits>
+#endif
 
 namespace cpa {
 
@@ -108,7 +111,8 @@ struct MmaTiles {
 
   // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
   // (Src = Staged): the same lane mapping either way.
-  using Staged = StagedKV<HEAD, BLOCK, FP8, TOKENS>;
+  using Staged = typename std::conditional<CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
+                                           StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type;
   template <int PARTS = kLoadKV, class Src>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     constexpr bool S = Src::kShared;
