@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, ab, ab-old, ab-async, ab-flag, racecheck-async,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, stalls, ab, ab-old, ab-async, ab-flag, racecheck-async,
 # ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -99,6 +99,37 @@ PYEOF
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         --section LaunchStats $PY -m cpa.jobs profile-one ${CPA_NCU_ARGS:-mfma16 1024 8 32768} > "$OUT/ncu1.txt" 2>&1
       echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issued Warp|Mem Busy|Max Bandwidth|ERR" "$OUT/ncu1.txt" | head -40
+      ;;
+    stalls)
+      # where the attention kernel's warps wait: ncu's warp-state metrics (raw page) of one launch
+      # (CPA_NCU_ARGS: tiling P batch context) for each build in CPA_STALL_FLAGS (';'-separated
+      # nvcc flag sets, an empty one is the default build); top stall reasons printed per build
+      IFS=';' read -ra builds <<< "${CPA_STALL_FLAGS:-}"; [ ${#builds[@]} = 0 ] && builds=("")
+      for F in "${builds[@]}"; do
+        tag=$(echo "${F:-default}" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
+        CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none -k regex:paged_attention_kernel -s 2 -c 1 \
+          --section WarpStateStats --section SpeedOfLight --section Occupancy --section LaunchStats \
+          --csv --page raw $PY -m cpa.jobs profile-one ${CPA_NCU_ARGS:-mfma16 1024 8 32768} > "$OUT/stalls-$tag.csv" 2>&1
+        echo "ncu [$F] rc=$?"
+      done
+      $PY - "$OUT" <<'PYEOF'
+import glob, io, sys
+import pandas as pd
+for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
+    lines = [ln for ln in open(f) if not ln.startswith("==")]
+    try:
+        df = pd.read_csv(io.StringIO("".join(lines)), thousands=",").iloc[1:]  # row 0: units
+    except Exception as e:
+        print(f, "unreadable:", e, "".join(lines)[-800:]); continue
+    row = df.iloc[-1]
+    keep = {c: row[c] for c in df.columns if "issue_stalled" in c and c.endswith("_per_issue_active.ratio")}
+    print(f.split("/")[-1], *(f"{c}={row.get(c)}" for c in (
+        "gpu__time_duration.sum", "launch__registers_per_thread", "sm__warps_active.avg.pct_of_peak_sustained_active",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+        "smsp__average_warp_latency_per_inst_issued.ratio")))
+    top = sorted(((float(v), k) for k, v in keep.items()), reverse=True)[:10]
+    for v, k in top: print(f"   {v:8.2f}  {k}")
+PYEOF
       ;;
     ab)
       # A/B of two kernel knobs against the default build, mfma16 only
