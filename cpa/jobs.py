@@ -95,16 +95,30 @@ def build_time_main() -> dict:
 
 
 def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int = 8, context: int = 32768) -> None:
-    """Run one Llama-70B decode call a few times: a target for `ncu -k regex:paged_attention`."""
+    """Run one Llama-70B decode call a few times: a target for `ncu -k regex:paged_attention` (tiling
+    ``sdpa_cudnn``: torch SDPA's cuDNN backend on contiguous K/V instead)."""
     import torch
 
     from .bench import LLAMA70B, make_sets
     from .ops import prepare
 
     sets = make_sets(batch, context, dtype=torch.float16, **LLAMA70B)
-    launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
-                     block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale,
-                     partition_size=partition_size, tiling=tiling)
+    if tiling == "sdpa_cudnn":  # the peer on contiguous K/V, as `cpa bench` runs it
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from .bench import contiguous_kv
+
+        k, v = contiguous_kv(sets, 0, context)
+        q = sets.queries[0].unsqueeze(2)
+
+        def launch():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, scale=sets.scale, enable_gqa=True)
+    else:
+        launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
+                         block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale,
+                         partition_size=partition_size, tiling=tiling)
     for _ in range(3):
         launch()
     torch.cuda.synchronize()

@@ -101,34 +101,43 @@ PYEOF
       echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issued Warp|Mem Busy|Max Bandwidth|ERR" "$OUT/ncu1.txt" | head -40
       ;;
     stalls)
-      # where the attention kernel's warps wait: ncu's warp-state metrics (raw page) of one launch
-      # (CPA_NCU_ARGS: tiling P batch context) for each build in CPA_STALL_FLAGS (';'-separated
-      # nvcc flag sets, an empty one is the default build); top stall reasons printed per build
+      # where the attention kernel's warps wait and what its memory system does: ncu's warp-state
+      # and memory metrics (raw page) of one launch, for each build in CPA_STALL_FLAGS (';'-separated
+      # nvcc flag sets, an empty one is the default build) x each target in CPA_NCU_TARGETS
+      # (';'-separated "tiling P batch context"; tiling sdpa_cudnn profiles the peer's kernels)
       IFS=';' read -ra builds <<< "${CPA_STALL_FLAGS:-}"; [ ${#builds[@]} = 0 ] && builds=("")
+      IFS=';' read -ra targets <<< "${CPA_NCU_TARGETS:-mfma16 1024 8 32768}"
       for F in "${builds[@]}"; do
-        tag=$(echo "${F:-default}" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
-        CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none -k regex:paged_attention_kernel -s 2 -c 1 \
-          --section WarpStateStats --section SpeedOfLight --section Occupancy --section LaunchStats \
-          --csv --page raw $PY -m cpa.jobs profile-one ${CPA_NCU_ARGS:-mfma16 1024 8 32768} > "$OUT/stalls-$tag.csv" 2>&1
-        echo "ncu [$F] rc=$?"
+        for T in "${targets[@]}"; do
+          tag=$(echo "${F:-default} $T" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
+          case "$T" in sdpa*) K="-c 8";; *) K="-k regex:paged_attention_kernel -s 2 -c 1";; esac
+          CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none $K --section WarpStateStats \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+            --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
+          echo "ncu [$F] [$T] rc=$?"
+        done
       done
       $PY - "$OUT" <<'PYEOF'
 import glob, io, sys
 import pandas as pd
+show = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size",
+        "sm__warps_active.avg.pct_of_peak_sustained_active", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum", "lts__t_sectors_op_read.sum",
+        "lts__t_sector_hit_rate.pct", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+        "smsp__average_warps_active_per_inst_executed.ratio")
 for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
     lines = [ln for ln in open(f) if not ln.startswith("==")]
     try:
         df = pd.read_csv(io.StringIO("".join(lines)), thousands=",").iloc[1:]  # row 0: units
+        df["_t"] = pd.to_numeric(df["gpu__time_duration.sum"], errors="coerce")
     except Exception as e:
         print(f, "unreadable:", e, "".join(lines)[-800:]); continue
-    row = df.iloc[-1]
+    row = df.loc[df["_t"].idxmax()]  # the longest kernel of the launch (the attention kernel)
+    print(f.split("/")[-1], str(row.get("Kernel Name"))[:60])
+    print("   " + " ".join(f"{c.split('.')[0]}={row.get(c)}" for c in show))
     keep = {c: row[c] for c in df.columns if "issue_stalled" in c and c.endswith("_per_issue_active.ratio")}
-    print(f.split("/")[-1], *(f"{c}={row.get(c)}" for c in (
-        "gpu__time_duration.sum", "launch__registers_per_thread", "sm__warps_active.avg.pct_of_peak_sustained_active",
-        "dram__throughput.avg.pct_of_peak_sustained_elapsed", "smsp__issue_active.avg.pct_of_peak_sustained_active",
-        "smsp__average_warp_latency_per_inst_issued.ratio")))
-    top = sorted(((float(v), k) for k, v in keep.items()), reverse=True)[:10]
-    for v, k in top: print(f"   {v:8.2f}  {k}")
+    top = sorted(((float(v), k) for k, v in keep.items()), reverse=True)[:6]
+    print("   stalls/issue: " + ", ".join(f"{k.split('issue_stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in top))
 PYEOF
       ;;
     ab)
