@@ -110,8 +110,8 @@ PYEOF
       for F in "${builds[@]}"; do
         for T in "${targets[@]}"; do
           tag=$(echo "${F:-default} $T" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
-          case "$T" in sdpa*) K="-c 8";; *) K="-k regex:paged_attention_kernel -s 2 -c 1";; esac
-          CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none $K --section WarpStateStats \
+          case "$T" in sdpa*) K="-c 6";; *) K="-k regex:paged_attention_kernel -s 1 -c 1";; esac
+          CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none --profile-from-start off $K --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
             --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
           echo "ncu [$F] [$T] rc=$?"
@@ -121,22 +121,23 @@ PYEOF
 import glob, io, sys
 import pandas as pd
 show = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size",
-        "sm__warps_active.avg.pct_of_peak_sustained_active", "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "sm__warps_active.avg.pct_of_peak_sustained_active", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
         "lts__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum", "lts__t_sectors_op_read.sum",
-        "lts__t_sector_hit_rate.pct", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+        "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
+        "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
         "smsp__average_warps_active_per_inst_executed.ratio")
 for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
     lines = [ln for ln in open(f) if not ln.startswith("==")]
     try:
-        df = pd.read_csv(io.StringIO("".join(lines)), thousands=",").iloc[1:]  # row 0: units
-        df["_t"] = pd.to_numeric(df["gpu__time_duration.sum"], errors="coerce")
+        df = pd.read_csv(io.StringIO("".join(lines)), dtype=str).iloc[1:]  # row 0: units
+        df["_t"] = pd.to_numeric(df["gpu__time_duration.sum"].str.replace(",", ""), errors="coerce")
     except Exception as e:
         print(f, "unreadable:", e, "".join(lines)[-800:]); continue
     row = df.loc[df["_t"].idxmax()]  # the longest kernel of the launch (the attention kernel)
     print(f.split("/")[-1], str(row.get("Kernel Name"))[:60])
     print("   " + " ".join(f"{c.split('.')[0]}={row.get(c)}" for c in show))
     keep = {c: row[c] for c in df.columns if "issue_stalled" in c and c.endswith("_per_issue_active.ratio")}
-    top = sorted(((float(v), k) for k, v in keep.items()), reverse=True)[:6]
+    top = sorted(((float(str(v).replace(",", "")), k) for k, v in keep.items()), reverse=True)[:6]
     print("   stalls/issue: " + ", ".join(f"{k.split('issue_stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in top))
 PYEOF
       ;;
