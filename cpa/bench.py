@@ -170,10 +170,18 @@ def _frame(rows, prov, ceil, arch):
     return df
 
 
-def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
-    import torch
+def sdpa_cudnn(q, k, v, scale):
+    """The peer as the bench runs it: torch SDPA's cuDNN backend, q [S, H, 1, D] over contiguous
+    K/V [S, KVH, ctx, D] with the query heads grouped over the KV heads."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+
+def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
+    import torch
 
     from . import reference
     from .timing import time_graph
@@ -186,9 +194,7 @@ def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
 
         def call(i):
             def f():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    outs[i] = F.scaled_dot_product_attention(qs[i], kvs[i][0], kvs[i][1], scale=sets.scale,
-                                                             enable_gqa=True)
+                outs[i] = sdpa_cudnn(qs[i], kvs[i][0], kvs[i][1], sets.scale)
             return f
 
         calls = [call(i) for i in range(len(qs))]

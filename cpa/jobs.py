@@ -104,17 +104,13 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
 
     sets = make_sets(batch, context, dtype=torch.float16, **LLAMA70B)
     if tiling == "sdpa_cudnn":  # the peer on contiguous K/V, as `cpa bench` runs it
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        from .bench import contiguous_kv
+        from .bench import contiguous_kv, sdpa_cudnn
 
         k, v = contiguous_kv(sets, 0, context)
         q = sets.queries[0].unsqueeze(2)
 
         def launch():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(q, k, v, scale=sets.scale, enable_gqa=True)
+            sdpa_cudnn(q, k, v, sets.scale)
     else:
         launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
                          block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale,

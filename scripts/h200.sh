@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, ncu1, stalls, ab, ab-old, ab-async, ab-flag, racecheck-async,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab, ab-old, ab-async, ab-flag, racecheck-async,
 # ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,13 +92,6 @@ if fs:
                         "achieved_occupancy", "matrix_core_busy", "l2_hit_rate") if c in df.columns]
     print(len(df), "rows from", len(fs), "points"); print(df[cols].to_string(index=False, max_rows=100))
 PYEOF
-      ;;
-    ncu1)
-      # one kernel, key sections: where the attention kernel's time goes
-      timeout 300 ncu --clock-control none -k regex:paged_attention_kernel -s 2 -c 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        --section LaunchStats $PY -m cpa.jobs profile-one ${CPA_NCU_ARGS:-mfma16 1024 8 32768} > "$OUT/ncu1.txt" 2>&1
-      echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Stall|L1/TEX Hit|L2 Hit|Warp Cycles Per Issued|Issued Warp|Mem Busy|Max Bandwidth|ERR" "$OUT/ncu1.txt" | head -40
       ;;
     stalls)
       # where the attention kernel's warps wait and what its memory system does: ncu's warp-state
