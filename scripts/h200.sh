@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab, ab-old, ab-async, ab-flag, racecheck-async,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, racecheck-async,
 # ab-reduce, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -115,8 +115,7 @@ import glob, io, sys
 import pandas as pd
 show = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size",
         "sm__warps_active.avg.pct_of_peak_sustained_active", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-        "lts__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum", "lts__t_sectors_op_read.sum",
-        "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
+        "lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
         "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
         "smsp__average_warps_active_per_inst_executed.ratio")
 for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
@@ -133,11 +132,6 @@ for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
     top = sorted(((float(str(v).replace(",", "")), k) for k, v in keep.items()), reverse=True)[:6]
     print("   stalls/issue: " + ", ".join(f"{k.split('issue_stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in top))
 PYEOF
-      ;;
-    ab)
-      # A/B of two kernel knobs against the default build, mfma16 only
-      CPA_NVCC_FLAGS="-DCPA_MIN_BLOCKS=3" CPA_COMMAND="CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench --tilings mfma16" \
-        $PY -m cpa bench --tilings mfma16 --no-fused --out "$OUT/ab-minblocks3.csv" 2>&1 | grep -A30 "best_us" | head -20
       ;;
     ab-reduce)
       # the few-partitions reduce kernel (-DCPA_REDUCE_FEW_MAX=16): correct (kernel GPU tests with
@@ -157,7 +151,8 @@ PYEOF
       ab_off async
       ;;
     racecheck-async)
-      # compute-sanitizer on the staged loop's slot protocol (cp.async groups, warp syncs)
+      # compute-sanitizer on the staged loops' slot protocols (CPA_ASYNC_ARMS: 1/2 cp.async groups
+      # and warp syncs, 3 the ring's bulk copies and mbarriers)
       for n in ${CPA_ASYNC_ARMS:-1 2}; do
         for tool in racecheck memcheck; do
           CPA_NVCC_FLAGS="-DCPA_KV_ASYNC=$n" timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 \

@@ -154,8 +154,8 @@ def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
     res, ring = _sm90_attention(tmp_path, _STAGED, ["-DCPA_KV_ASYNC=3"])
+    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
     for v in _STAGED:
-        bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
         if v.tiling == "scalar":
             assert "cp.async" not in ring[v.name] and "mbarrier" not in ring[v.name]
             continue
