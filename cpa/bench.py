@@ -32,7 +32,15 @@ class DeviceSets:
     kv_bytes_per_set: int
 
 
-def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0) -> DeviceSets:
+BLOCK_ORDERS = ("shuffled", "sequential")
+
+
+def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0,
+              block_order="shuffled") -> DeviceSets:
+    """``block_order``: "shuffled" (each sequence's blocks drawn at random from the pool, as a
+    serving engine's allocator leaves them) or "sequential" (each sequence's blocks consecutive
+    in the pool: the paged cache laid out as SDPA's contiguous K/V would be, which isolates what
+    paging costs the memory system)."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -45,7 +53,10 @@ def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_si
     n_sets = max(1, min(MAX_SETS, pool // need))
     kc = torch.randn(pool, num_kv_heads, head_size // x, block_size, x, device="cuda", dtype=dtype, generator=g)
     vc = torch.randn(pool, num_kv_heads, head_size, block_size, device="cuda", dtype=dtype, generator=g)
-    perm = torch.randperm(pool, device="cuda", generator=g)
+    if block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
+    perm = torch.randperm(pool, device="cuda", generator=g) if block_order == "shuffled" else \
+        torch.arange(pool, device="cuda")
     bts = [perm[i * need:(i + 1) * need].view(num_seqs, bps).to(torch.int32).contiguous() for i in range(n_sets)]
     qs = [torch.randn(num_seqs, num_heads, head_size, device="cuda", dtype=dtype, generator=g) for _ in range(n_sets)]
     seq_lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
@@ -65,7 +76,7 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
 
 
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
-        replays=30, sdpa=True, fused=True, out_csv=None, progress=True):
+        replays=30, sdpa=True, fused=True, out_csv=None, progress=True, block_order="shuffled"):
     import torch
 
     from . import ceilings, reference, variants as V
@@ -94,8 +105,8 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
         bar = tqdm(total=len(shapes) * (len(tilings) * len(partition_sizes) * len(modes) + int(sdpa)), desc="bench",
                    unit="run")
     for b, ctx in shapes:
-        sets = make_sets(b, ctx, dtype=dtype, **LLAMA70B)
-        base = dict(num_seqs=b, max_seq_len=ctx, num_heads=LLAMA70B["num_heads"],
+        sets = make_sets(b, ctx, dtype=dtype, block_order=block_order, **LLAMA70B)
+        base = dict(num_seqs=b, max_seq_len=ctx, block_order=block_order, num_heads=LLAMA70B["num_heads"],
                     num_kv_heads=LLAMA70B["num_kv_heads"], head_size=LLAMA70B["head_size"],
                     block_size=LLAMA70B["block_size"], dtype=dtype_name, kv_cache_dtype="auto",
                     n_sets=len(sets.queries), kv_bytes=sets.kv_bytes_per_set)

@@ -365,6 +365,22 @@ CPA_DEVICE uint32_t movmatrix_trans(uint32_t x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
+// 4x4 transpose of 32-bit registers across the four lanes of a quad (lane bits 0-1):
+// lane t's r[j] becomes what lane j held in r[t]. Two butterfly rounds (lane ^ 2 swaps the
+// off-diagonal 2x2 blocks, lane ^ 1 the off-diagonal elements): 4 shuffles, no memory.
+CPA_DEVICE void quad_transpose4(uint32_t (&r)[4]) {
+  const int t = lane_id() & 3;
+  const bool hi = t & 2, odd = t & 1;
+  uint32_t x0 = hi ? r[0] : r[2], x1 = hi ? r[1] : r[3];
+  x0 = __shfl_xor_sync(0xffffffffu, x0, 2);
+  x1 = __shfl_xor_sync(0xffffffffu, x1, 2);
+  if (hi) { r[0] = x0; r[1] = x1; } else { r[2] = x0; r[3] = x1; }
+  x0 = odd ? r[0] : r[1];
+  x1 = odd ? r[2] : r[3];
+  x0 = __shfl_xor_sync(0xffffffffu, x0, 1);
+  x1 = __shfl_xor_sync(0xffffffffu, x1, 1);
+  if (odd) { r[0] = x0; r[2] = x1; } else { r[1] = x0; r[3] = x1; }
+}
 #endif  // CPA_CUDA
 
 #if CPA_HIP

@@ -39,12 +39,24 @@ struct TilingScalar {};  // no matrix cores: per-lane dot products
 
 // ============================================================== NVIDIA: mma.sync
 #if CPA_CUDA
+// 1: K tile rows are consecutive tokens, so the eight lanes of a quad column read one whole
+// 128-byte line of the key cache per load (a warp load = 4 full lines, 4 L2 requests), and
+// P is transposed across each quad (4 shuffles per 8 heads) to meet V's token order.
+// 0: K rows in V's token order, so movmatrix alone turns S into P's fragment, but a warp's K
+// load touches 16 lines for one 32-byte sector each. An A/B knob.
+#ifndef CPA_K_WHOLE_LINES
+#define CPA_K_WHOLE_LINES 0
+#endif
+
 // Heads in the n = 8 dimension (NT tiles of 8 for GQA up to 16), tokens in m = 16.
 // Lane = 4 * g + t. A step is 32 tokens = two m16 tiles. Thread (g, t) loads
-//   K rows:  tokens 8 (g >> 1) + (g & 1) + {0, 2} + 4 i   (tile i), head dims (4p + t) X + [0, X)
+//   K rows:  tokens 16 i + g + {0, 8}  (tile i; CPA_K_WHOLE_LINES=0: 8 (g >> 1) + (g & 1) +
+//            {0, 2} + 4 i), head dims (4p + t) X + [0, X)
 //   V rows:  head dims 16 m + g + {0, 8},  tokens 8 t + [0, 8)
-// so the token order inside each m16 tile matches the k-slot order that the transposed
-// (movmatrix) score fragment has as the B operand of P x V.
+// With CPA_K_WHOLE_LINES=0 the token order inside each m16 tile is the k-slot order that the
+// transposed (movmatrix) score fragment has as the B operand of P x V; with 1, movmatrix
+// leaves lane t the token pairs 4 j + t (j = 2 i + half) where V has 4 t + j: a quad
+// transpose of the four P registers fixes that.
 template <class T, int HEAD, int BLOCK, bool FP8, int NT, bool K8>
 struct MmaTiles {
   using KV_ = PagedKV<HEAD, BLOCK, FP8>;
@@ -88,6 +100,7 @@ struct MmaTiles {
 
   CPA_DEVICE static int s_token(int e) {  // e = (tile * NT + nt) * 4 + c
     const int g = g_(), tile = e / (4 * NT), c = e & 3;
+    if constexpr (CPA_K_WHOLE_LINES) return 16 * tile + g + 8 * (c >> 1);
     return 8 * (g >> 1) + (g & 1) + 2 * (c >> 1) + 4 * tile;
   }
   CPA_DEVICE static constexpr int s_lhead(int e) { return ((e / 4) % NT) * 2 + (e & 1); }
@@ -118,15 +131,29 @@ struct MmaTiles {
     constexpr bool S = Src::kShared;
     const int g = g_(), t = t_();
     if constexpr (PARTS & kLoadK) {
-    const int ktok = tok0 + 8 * (g >> 1) + (g & 1);
-    const int64_t kb = c.block_offset(ktok);
+      if constexpr (CPA_K_WHOLE_LINES) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 2; ++i) {
+          static_assert(BLOCK % 16 == 0, "a tile's 16 tokens lie in one block");
+          const int ktok = tok0 + 16 * i + g;
+          const int64_t kb = c.block_offset(ktok);
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr)
+          for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-        for (int p = 0; p < KG; ++p)
-          load_chunk<T, FP8, S>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
+            for (int p = 0; p < KG; ++p)
+              load_chunk<T, FP8, S>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 8 * rr, (4 * p + t) * X));
+        }
+      } else {
+        const int ktok = tok0 + 8 * (g >> 1) + (g & 1);
+        const int64_t kb = c.block_offset(ktok);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+            for (int p = 0; p < KG; ++p)
+              load_chunk<T, FP8, S>(kv.k[i][rr][p], c.k_ptr(kb, ktok + 2 * rr + 4 * i, (4 * p + t) * X));
+      }
     }
     if constexpr (!(PARTS & kLoadV)) return;
     const int vtok = tok0 + 8 * t;
@@ -183,6 +210,14 @@ struct MmaTiles {
         pb[i][nt][0] = movmatrix_trans(T::pack(sc[0], sc[1]));
         pb[i][nt][1] = movmatrix_trans(T::pack(sc[2], sc[3]));
       }
+    if constexpr (CPA_K_WHOLE_LINES) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint32_t r[4] = {pb[0][nt][0], pb[0][nt][1], pb[1][nt][0], pb[1][nt][1]};
+        quad_transpose4(r);
+        pb[0][nt][0] = r[0]; pb[0][nt][1] = r[1]; pb[1][nt][0] = r[2]; pb[1][nt][1] = r[3];
+      }
+    }
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
