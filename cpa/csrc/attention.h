@@ -105,6 +105,30 @@ struct AttnConfig {
   static constexpr int SMEM_FLOATS = COMBINE_FLOATS > LOOP_FLOATS ? COMBINE_FLOATS : LOOP_FLOATS;
 };
 
+// 1: before its loop each lane of a wave reads one entry of the block table -- lane l the
+// physical block of the wave's l-th block -- and each step takes its blocks' offsets from those
+// lanes by shuffles, so no block-table read (an L2 round trip) sits in front of a step's K and
+// V loads. Partitions whose waves touch more blocks than a wave has lanes read the table per
+// step. 0: every step reads its block-table entries first. An A/B knob.
+#ifndef CPA_BT_PREFETCH
+#define CPA_BT_PREFETCH 0
+#endif
+
+template <bool C, class A, class B> struct Pick { using type = A; };
+template <class A, class B> struct Pick<false, A, B> { using type = B; };
+
+// The paged cache, with the physical blocks of the wave's steps held one per lane (entry):
+// block_offset(token) of the step at tok0 is a shuffle from the lane of that block.
+template <class Cache, int BLOCK, int NBLK>
+struct TabledKV : Cache {
+  int entry;   // lane l: physical block of the wave's block l
+  int j0;      // the wave's block index of the current step's first block
+  int tok0;    // the current step's first token
+  CPA_DEVICE int64_t block_offset(int token) const {
+    return (int64_t)shfl_idx_i32(entry, j0 + (token - tok0) / BLOCK) * this->block_stride;
+  }
+};
+
 // Where a wave's steps of K and V come from. Direct: straight from the paged cache into
 // registers. Staged: from the wave's shared-memory slot, which holds the step copied there
 // one step earlier; once read, the slot takes the next step's copies, so those loads are in
@@ -113,9 +137,29 @@ template <class Cfg, bool STAGED = Cfg::staged>
 struct KVSteps {
   using Tl = typename Cfg::Tiles;
   using Cache = PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>;
-  const Cache& c;
-  CPA_DEVICE KVSteps(float*, const Cache& c, int, int) : c(c) {}
+  static constexpr int BLOCK = Cfg::block_size;
+  static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+  static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
+  static constexpr bool kTabled = CPA_BT_PREFETCH && (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK <= kWave;
+  using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK>, Cache>::type;
+  Src c;
+  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end) {
+    if constexpr (kTabled) {
+      c = Src{cache, 0, 0, first};
+      const int nblk = first < end ? (end - first + STRIDE - 1) / STRIDE * NBLK : 0;
+      const int l = lane_id();
+      // (a token past the sequence clamps into its last block, as Cache::block_offset does)
+      c.entry = l < nblk ? cache.physical_block(first + l / NBLK * STRIDE + l % NBLK * BLOCK) : 0;
+      c.j0 = -NBLK;  // load() advances it before the first step
+    } else {
+      c = cache;
+    }
+  }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
+    if constexpr (kTabled) {
+      c.j0 += NBLK;
+      c.tok0 = tok0;
+    }
     Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, c, tok0, partial);
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {

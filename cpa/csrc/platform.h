@@ -228,8 +228,15 @@ CPA_DEVICE void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, 
 }
 // Orders this thread's earlier shared-memory accesses before later bulk copies (async proxy).
 CPA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-CPA_DEVICE int shfl_idx_i32(int v, int lane) { return __shfl_sync(0xffffffffu, v, lane); }
 #endif
+// v of lane `lane` (any lane of the wave; each lane may name a different one).
+CPA_DEVICE int shfl_idx_i32(int v, int lane) {
+#if CPA_HIP
+  return __builtin_amdgcn_ds_bpermute(lane << 2, v);
+#else
+  return __shfl_sync(0xffffffffu, v, lane);
+#endif
+}
 
 // ---------------------------------------------------------------- 16-bit types
 // Storage is raw 16-bit; arithmetic happens in fp32 or on the matrix cores.

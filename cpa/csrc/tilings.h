@@ -289,8 +289,8 @@ struct Mfma16Tiles {
   CPA_DEVICE static float reduce_sum(float x) { x += shfl_xor(x, 16); return x + shfl_xor(x, 32); }
   CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
-  template <int PARTS = kLoadKV>
-  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+  template <int PARTS = kLoadKV, class Src = KV_>
+  CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     const int r = r_(), qq = q_();
     if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + 8 * (r >> 2) + (r & 3);
@@ -398,8 +398,8 @@ struct Mfma4Tiles {
 #pragma unroll
     for (int e = 0; e < NO; ++e) o[e] = reduce_sum(o[e]);
   }
-  template <int PARTS = kLoadKV>
-  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+  template <int PARTS = kLoadKV, class Src = KV_>
+  CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + lane_id();
     const int64_t kb = c.block_offset(ktok);
@@ -487,8 +487,8 @@ struct ScalarTiles {
   }
   CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
-  template <int PARTS = kLoadKV>
-  CPA_DEVICE static void load_kv(KV& kv, const KV_& c, int tok0, bool partial) {
+  template <int PARTS = kLoadKV, class Src = KV_>
+  CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     if constexpr (PARTS & kLoadK) {
     const int ktok = tok0 + lane_id();
     const int64_t kb = c.block_offset(ktok);
