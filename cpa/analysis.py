@@ -100,6 +100,23 @@ def sweep_results(grid: str, *, mode: str | None = None, progress: bool = True, 
     return SweepData(grid, df, "shipped", path, meta["runs"])
 
 
+def shipped_sweep_at(grid: str, commits) -> SweepData:
+    """The shipped table of a grid whose CPA rows were measured at one of ``commits`` (full or
+    abbreviated hashes): the current file, else the earlier run kept in data/sweeps/experiments.
+    Counters of an older kernel are joined to the sweep of that kernel, not to today's."""
+    from . import sweep as S
+    from . import variants as V
+
+    want = {str(c)[:7] for c in commits}
+    for path in [shipped_path(grid), *sorted((SHIPPED / "experiments").glob(f"h200-{grid}-*.parquet"))]:
+        if not path.exists():
+            continue
+        df, meta = S.read_results(path)
+        if want & {str(c)[:7] for c in df[df.tiling.isin(V.TILINGS)].git_commit.dropna()}:
+            return SweepData(grid, df, "shipped", path, meta["runs"])
+    raise FileNotFoundError(f"no shipped {grid!r} sweep measured at {sorted(want)}")
+
+
 def shipped_ceilings() -> dict:
     p = SHIPPED / "h200-ceilings.json"
     return json.loads(p.read_text()) if p.exists() else {"runs": []}

@@ -41,6 +41,8 @@ def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_si
     serving engine's allocator leaves them) or "sequential" (each sequence's blocks consecutive
     in the pool: the paged cache laid out as SDPA's contiguous K/V would be, which isolates what
     paging costs the memory system)."""
+    if block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -53,8 +55,6 @@ def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_si
     n_sets = max(1, min(MAX_SETS, pool // need))
     kc = torch.randn(pool, num_kv_heads, head_size // x, block_size, x, device="cuda", dtype=dtype, generator=g)
     vc = torch.randn(pool, num_kv_heads, head_size, block_size, device="cuda", dtype=dtype, generator=g)
-    if block_order not in BLOCK_ORDERS:
-        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
     perm = torch.randperm(pool, device="cuda", generator=g) if block_order == "shuffled" else \
         torch.arange(pool, device="cuda")
     bts = [perm[i * need:(i + 1) * need].view(num_seqs, bps).to(torch.int32).contiguous() for i in range(n_sets)]
@@ -85,6 +85,8 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     from .provenance import provenance
     from .timing import time_graph
 
+    if block_order not in BLOCK_ORDERS:  # before any GPU work
+        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
     tilings = tuple(tilings or V.TILINGS)
     partition_sizes = tuple(partition_sizes or V.PARTITION_SIZES)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]

@@ -236,14 +236,16 @@ def all_variants(platform: str, *, tilings=TILINGS, partition_sizes=PARTITION_SI
 # One table: arch -> rules (max GQA ratio, tiling, partition size, where the choice comes from).
 # gfx942 / gfx90a follow upstream's ROCm design (vLLM csrc/rocm/attention.cu: 256 tokens per
 # partition; 4x4x4 MFMA for GQA 1-4, 16x16x16 for larger groups); it is compiled here, not
-# measured. sm_90 is what cpa's own H200 sweep measured (data/sweeps/h200-llama70b-decode.parquet).
+# measured. sm_90 is what cpa's own H200 bench and sweep measured (data/bench, data/sweeps).
 DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
-    "sm_90": [(16, "mfma16", 512, "measured: cpa sweep llama70b-decode on an H200, 2026-12-02 "
-                                  "(data/sweeps/h200-llama70b-decode.parquet, commit 3952a3a): the best single "
-                                  "choice over 56 Llama-70B decode shapes, 1.067x the per-shape best (geometric "
-                                  "mean; mfma4/512 1.069x, mfma16/1024 1.080x); cpa.bench.best_fixed_choice")],
+    "sm_90": [(16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
+                                  "(data/bench/h200-kernel.csv, commit 62e9af0; 16 Llama-70B decode shapes, "
+                                  "1.085x the per-shape best, geometric mean; mfma16/1024 1.098x) and tied "
+                                  "with the best of cpa sweep llama70b-decode (data/sweeps/h200-llama70b-decode"
+                                  ".parquet, commit b59554a; 56 shapes: 1.069x, mfma16/1024 1.068x) while its "
+                                  "worst shape is 1.60x against 2.18x; cpa.bench.best_fixed_choice")],
 }
 FALLBACK_DEFAULT = (16, "mfma16", 256, "no entry for this arch: mfma16 / 256")
 

@@ -36,7 +36,9 @@ from cpa import hardware as hw
 from cpa import plots as P
 
 counters = C.load("llama70b-decode")
-sweep = A.sweep_results("llama70b-decode", mode="shipped")
+# the sweep of the kernel the counters profiled (the shipped one, or the earlier run kept
+# in data/sweeps/experiments when the kernel has moved on since)
+sweep = A.shipped_sweep_at("llama70b-decode", counters.df.git_commit.unique())
 display(Markdown(counters.banner()))
 display(Markdown("Joined to: " + sweep.banner()))
 joined = C.with_sweep(counters.df, sweep.df)

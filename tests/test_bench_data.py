@@ -48,3 +48,17 @@ def test_sm90_default_is_the_measured_best_single_choice(df):
     tiling, partition, source = V.default_choice("sm_90", 8)
     assert (tiling, partition) == (choice["tiling"], choice["partition_size"])
     assert "measured" in source
+
+
+@pytest.mark.parametrize("call", ["make_sets", "run"])
+def test_unknown_block_order_refused_before_any_gpu_work(call):
+    """`cpa bench --block-order` takes shuffled or sequential; anything else is a ValueError
+    raised before a CUDA tensor, the ceilings or a build (so it holds on a CPU machine too)."""
+    import torch
+
+    with pytest.raises(ValueError, match="block_order='random'"):
+        if call == "make_sets":
+            B.make_sets(1, 64, dtype=torch.float16, block_order="random", **B.LLAMA70B)
+        else:
+            B.run(batches=(1,), contexts=(64,), block_order="random", progress=False)
+    assert B.BLOCK_ORDERS == ("shuffled", "sequential")

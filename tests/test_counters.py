@@ -28,7 +28,7 @@ def counters():
 
 @pytest.fixture(scope="module")
 def joined(counters):
-    sweep = A.sweep_results("llama70b-decode", mode="shipped")
+    sweep = A.shipped_sweep_at("llama70b-decode", counters.df.git_commit.unique())
     return C.with_sweep(counters.df, sweep.df)
 
 

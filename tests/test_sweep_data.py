@@ -63,9 +63,17 @@ def test_provenance_and_ceilings(shipped):
         assert 3000 < c["read_gbps"] < 5500 and 3000 < c["copy_gbps"] < 5500
 
 
+# Two fixed choices whose geometric-mean slowdowns differ by less than this are a tie: the
+# same rows measured twice on the H200 differ by up to ~0.5% (notes/kernel-notes.md).
+TIE = 1.005
+
+
 def test_sm90_default_is_the_best_single_choice_of_the_sweep():
+    """The sm_90 default is the sweep's best single (tiling, partition), or ties with it."""
     df, _ = S.read_results(DATA / "h200-llama70b-decode.parquet")
-    choice, _ = B.best_fixed_choice(df[df.tiling.isin(V.TILINGS)])
+    choice, table = B.best_fixed_choice(df[df.tiling.isin(V.TILINGS)])
     tiling, partition, source = V.default_choice("sm_90", 8)
-    assert (tiling, partition) == (choice["tiling"], choice["partition_size"])
+    mine = table[(table.tiling == tiling) & (table.partition_size == partition) & ~table.fused_reduce.astype(bool)]
+    assert len(mine) == 1
+    assert mine.geomean_slowdown.iloc[0] <= choice["geomean_slowdown"] * TIE, (tiling, partition, choice)
     assert "measured" in source and "h200-llama70b-decode" in source
