@@ -151,12 +151,8 @@ struct KVSteps {
   Src c;
   CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end) {
     if constexpr (kTabled) {
-      c = Src{cache, 0, 0, first};
-      const int nblk = first < end ? (end - first + STRIDE - 1) / STRIDE * NBLK : 0;
-      const int l = lane_id();
-      // (a token past the sequence clamps into its last block, as Cache::block_offset does)
-      c.entry = l < nblk ? cache.physical_block(first + l / NBLK * STRIDE + l % NBLK * BLOCK) : 0;
-      c.j0 = -NBLK;  // load() advances it before the first step
+      c = Src{cache, 0, -NBLK, first};  // load() advances j0 before the first step
+      cache.template wave_blocks<NBLK, STRIDE>(first, end, c.entry);
     } else {
       c = cache;
     }
@@ -195,10 +191,8 @@ struct KVSteps<Cfg, true> {
   CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end) : c(c) {
     uint8_t* mine = reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * Ring::BYTES;
     ring = Ring{mine, reinterpret_cast<uint64_t*>(mine + Ring::RING * Ring::SLOT), first, 0, c.seq_len};
-    nblk = first < end ? (end - first + STRIDE - 1) / STRIDE * Ring::NBLK : 0;
-    const int l = lane_id();
-    entry = l < nblk ? c.physical_block(first + l / Ring::NBLK * STRIDE + l % Ring::NBLK * Cfg::block_size) : 0;
-    if (l == 0) {
+    nblk = c.template wave_blocks<Ring::NBLK, STRIDE>(first, end, entry);
+    if (lane_id() == 0) {
       for (int r = 0; r < Ring::RING; ++r) mbar_init(ring.bars + r, 1);
       mbar_init_fence();
     }

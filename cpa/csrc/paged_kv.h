@@ -51,6 +51,16 @@ struct PagedKV {
     return load_i32(block_table + lb);
   }
   CPA_DEVICE int64_t block_offset(int token) const { return (int64_t)physical_block(token) * block_stride; }
+  // The physical blocks of a wave's steps -- NBLK blocks from each step start first, first +
+  // STRIDE, ... below end -- one per lane: lane l gets the wave's block l (0 past them), the
+  // return value is their count. One block-table read per lane, before any step.
+  template <int NBLK, int STRIDE>
+  CPA_DEVICE int wave_blocks(int first, int end, int& entry) const {
+    const int n = first < end ? (end - first + STRIDE - 1) / STRIDE * NBLK : 0;
+    const int l = lane_id();
+    entry = l < n ? physical_block(first + l / NBLK * STRIDE + l % NBLK * BLOCK) : 0;
+    return n;
+  }
   // K[token][d .. d + X) for d a multiple of X, or the half chunk at d % X == X / 2.
   CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
     return k + boff + ((d / X) * BLOCK + token % BLOCK) * 16 + (d % X) * ELEM;
