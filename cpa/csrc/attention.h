@@ -22,7 +22,9 @@ namespace cpa {
 
 // 1: load a step's V only after its QK (a compiler fence keeps the loads there), so K and V
 // are never live together: fewer registers (more resident workgroups), V's latency exposed
-// per wave. 0: K and V of a step are loaded together. An A/B knob.
+// per wave. 0: K and V of a step are loaded together. An A/B knob, effective with
+// -DCPA_BT_PREFETCH=0 only: when V's block offsets come from register shuffles, ptxas moves
+// V's loads back above QK (the fence binds the compiler's IR, not ptxas's schedule).
 #ifndef CPA_V_AFTER_QK
 #define CPA_V_AFTER_QK 0
 #endif
