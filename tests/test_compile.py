@@ -180,3 +180,23 @@ def test_v_after_qk_knob_frees_registers(tmp_path):
     late = _sm90_attention(tmp_path, [v], ["-DCPA_V_AFTER_QK=1", "-DCPA_BT_PREFETCH=0"])[0][v.name]
     assert late["registers"] < base["registers"]
     assert late["registers"] <= 168 and late["spill_stores"] == 0, late
+
+
+def test_sm90_default_loads_whole_key_lines_and_reads_the_block_table_once(tmp_path):
+    """The two load-path defaults of the mma tilings (H200 A/Bs in notes/kernel-notes.md), each
+    against its `=0` arm, which must keep compiling: whole-line K loads add the quad transpose
+    of P (shfl.sync.bfly with lane masks 1 and 2, 4 per 8 heads per step) and no spills; the
+    per-lane block-table entries turn the per-step table reads into shuffles (shfl.sync.idx)."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    mma = [v for v in _STAGED if v.tiling != "scalar"]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "o").mkdir()
+    res, default = _sm90_attention(tmp_path / "d", mma)
+    res0, off = _sm90_attention(tmp_path / "o", mma, ["-DCPA_K_WHOLE_LINES=0", "-DCPA_BT_PREFETCH=0"])
+    for v in mma:
+        d, o = default[v.name], off[v.name]
+        assert d.count("shfl.sync.bfly") > o.count("shfl.sync.bfly"), v.name
+        assert "shfl.sync.idx" in d and "shfl.sync.idx" not in o, v.name
+        assert "mma.sync.aligned" in d and "mma.sync.aligned" in o
+        assert res[v.name]["spill_stores"] == 0 and res0[v.name]["spill_stores"] == 0, v.name
