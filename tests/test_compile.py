@@ -186,7 +186,9 @@ def test_sm90_default_loads_whole_key_lines_and_reads_the_block_table_once(tmp_p
     """The two load-path defaults of the mma tilings (H200 A/Bs in notes/kernel-notes.md), each
     against its `=0` arm, which must keep compiling: whole-line K loads add the quad transpose
     of P (shfl.sync.bfly with lane masks 1 and 2, 4 per 8 heads per step) and no spills; the
-    per-lane block-table entries turn the per-step table reads into shuffles (shfl.sync.idx)."""
+    per-lane block-table entries turn the per-step table reads into shuffles (shfl.sync.idx),
+    but only where they were measured (16-bit cache, head <= 128, <= 8 heads per tile): on an
+    fp8 cache they cost registers, so that variant keeps its table reads."""
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
     mma = [v for v in _STAGED if v.tiling != "scalar"]
@@ -197,6 +199,7 @@ def test_sm90_default_loads_whole_key_lines_and_reads_the_block_table_once(tmp_p
     for v in mma:
         d, o = default[v.name], off[v.name]
         assert d.count("shfl.sync.bfly") > o.count("shfl.sync.bfly"), v.name
-        assert "shfl.sync.idx" in d and "shfl.sync.idx" not in o, v.name
+        tabled = v.kv_cache_dtype == "auto" and v.head_size <= 128 and v.heads_cap <= 8
+        assert ("shfl.sync.idx" in d) == tabled and "shfl.sync.idx" not in o, v.name
         assert "mma.sync.aligned" in d and "mma.sync.aligned" in o
         assert res[v.name]["spill_stores"] == 0 and res0[v.name]["spill_stores"] == 0, v.name

@@ -86,6 +86,7 @@ struct AttnConfig {
   static constexpr int NUM_WAVES = 4;
   static constexpr int THREADS = NUM_WAVES * kWave;
   using Dtype = T;
+  using Tiling = Tag;
   using Tiles = typename TilingFor<Tag, T, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
   static constexpr int head_size = HEAD, block_size = BLOCK, partition_size = PARTITION;
   static constexpr bool fp8 = FP8;
@@ -111,9 +112,13 @@ struct AttnConfig {
 // physical block of the wave's l-th block -- and each step takes its blocks' offsets from those
 // lanes by shuffles, so no block-table read (an L2 round trip) sits in front of a step's K and
 // V loads. Partitions whose waves touch more blocks than a wave has lanes read the table per
-// step. 0: every step reads its block-table entries first. H200: 2.4% faster at batch 1,
-// neutral elsewhere (geomean 0.993), so on by default on NVIDIA; off on AMD, where it is
-// unmeasured and costs 2 VGPRs (gfx942, compiled). -DCPA_BT_PREFETCH=0|1 for the A/B.
+// step. 0: every step reads its block-table entries first. H200 (mma tilings, fp16 cache,
+// head 128, GQA 8): 2.4% faster at batch 1, neutral elsewhere (geomean 0.993). Elsewhere it
+// raises register pressure (ptxas hoists loads whose addresses no longer wait on a table
+// read): fp8 caches +22-48 registers and new spills at head 128 bf16, 16 heads per tile
+// spill, head 256 spills 1.5x, scalar +30-60. So it applies by default only where it was
+// measured (kTabled below), on NVIDIA only (AMD: unmeasured, +2 VGPRs on gfx942).
+// -DCPA_BT_PREFETCH=0|1 for the A/B.
 #ifndef CPA_BT_PREFETCH
 #if CPA_CUDA
 #define CPA_BT_PREFETCH 1
@@ -124,6 +129,8 @@ struct AttnConfig {
 
 template <bool C, class A, class B> struct Pick { using type = A; };
 template <class A, class B> struct Pick<false, A, B> { using type = B; };
+template <class A, class B> struct Same { static constexpr bool value = false; };
+template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
 // The paged cache, with the physical blocks of the wave's steps held one per lane (entry):
 // block_offset(token) of the step at tok0 is a shuffle from the lane of that block.
@@ -148,7 +155,10 @@ struct KVSteps {
   static constexpr int BLOCK = Cfg::block_size;
   static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
   static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
-  static constexpr bool kTabled = CPA_BT_PREFETCH && (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK <= kWave;
+  // (matrix-core tilings, 16-bit cache, head <= 128, <= 8 heads per tile: see CPA_BT_PREFETCH)
+  static constexpr bool kTabled = CPA_BT_PREFETCH && !Same<typename Cfg::Tiling, TilingScalar>::value &&
+                                  !Cfg::fp8 && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
+                                  (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK <= kWave;
   using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK>, Cache>::type;
   Src c;
   CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end) {
