@@ -35,14 +35,18 @@ class DeviceSets:
 BLOCK_ORDERS = ("shuffled", "sequential")
 
 
+def check_block_order(block_order: str) -> None:
+    if block_order not in BLOCK_ORDERS:
+        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
+
+
 def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0,
               block_order="shuffled") -> DeviceSets:
     """``block_order``: "shuffled" (each sequence's blocks drawn at random from the pool, as a
     serving engine's allocator leaves them) or "sequential" (each sequence's blocks consecutive
     in the pool: the paged cache laid out as SDPA's contiguous K/V would be, which isolates what
     paging costs the memory system)."""
-    if block_order not in BLOCK_ORDERS:
-        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
+    check_block_order(block_order)
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -85,8 +89,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     from .provenance import provenance
     from .timing import time_graph
 
-    if block_order not in BLOCK_ORDERS:  # before any GPU work
-        raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
+    check_block_order(block_order)  # before any GPU work
     tilings = tuple(tilings or V.TILINGS)
     partition_sizes = tuple(partition_sizes or V.PARTITION_SIZES)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]

@@ -127,6 +127,7 @@ struct AttnConfig {
 #endif
 #endif
 
+// (<type_traits> is not available to the device-only HIP compiles: -nogpulib)
 template <bool C, class A, class B> struct Pick { using type = A; };
 template <class A, class B> struct Pick<false, A, B> { using type = B; };
 template <class A, class B> struct Same { static constexpr bool value = false; };
@@ -269,6 +270,16 @@ struct KVSteps<Cfg, true> {
 };
 #endif
 
+// Max (is_max) or sum of x over every lane of the wave, returned to every lane.
+CPA_DEVICE float wave_reduce(float x, bool is_max) {
+#pragma unroll
+  for (int mk = 1; mk < kWave; mk <<= 1) {
+    const float y = shfl_xor(x, mk);
+    x = is_max ? fmaxf_(x, y) : x + y;
+  }
+  return x;
+}
+
 // out[h][:] = sum_p w_p tmp_out[h][p][:] / sum_p w_p over the np partitions of one
 // sequence, for the gqa heads from row0 (the fused reduce; partials come from the L2).
 // Every load of a phase is independent of the others, so each phase costs about one L2 round
@@ -294,16 +305,14 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
       const float* es = p.exp_sums + (row0 + h) * p.max_num_partitions;
       float mx = -INFINITY;
       for (int j = lane_id(); j < np; j += kWave) mx = fmaxf_(mx, wh[j]);
-#pragma unroll
-      for (int mk = 1; mk < kWave; mk <<= 1) mx = fmaxf_(mx, shfl_xor(mx, mk));
+      mx = wave_reduce(mx, true);
       float sum = 0.f;
       for (int j = lane_id(); j < np; j += kWave) {
         const float x = load_f32_l2(es + j) * exp2f_fast((wh[j] - mx) * kLog2e);
         wh[j] = x;
         sum += x;
       }
-#pragma unroll
-      for (int mk = 1; mk < kWave; mk <<= 1) sum += shfl_xor(sum, mk);
+      sum = wave_reduce(sum, false);
       if (lane_id() == 0) inv[h] = 1.f / sum;
     }
     barrier();
@@ -544,11 +553,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 template <int THREADS>
 CPA_DEVICE float block_reduce(float x, float* red, bool is_max) {
   constexpr int NW = THREADS / kWave;
-#pragma unroll
-  for (int mk = 1; mk < kWave; mk <<= 1) {
-    const float y = shfl_xor(x, mk);
-    x = is_max ? fmaxf_(x, y) : x + y;
-  }
+  x = wave_reduce(x, is_max);
   if (lane_id() == 0) red[wave_id()] = x;
   barrier();
   float r = red[0];
