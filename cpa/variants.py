@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
 
 TILINGS = ("mfma16", "mfma4", "scalar")
-PARTITION_SIZES = (64, 128, 256, 512, 1024)
+PARTITION_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32)
 DTYPES = ("fp16", "bf16")

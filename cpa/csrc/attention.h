@@ -367,6 +367,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   __shared__ __attribute__((aligned(16))) float smem[Cfg::SMEM_FLOATS];
 #endif
 
+  allow_dependent_launch();  // the reduce kernel may be scheduled once every workgroup is running
   const int seq = block_idx_x(), part = block_idx_y(), kvh = block_idx_z();
   const int seq_len = p.seq_lens[seq];
   const int start = part * PARTITION;
@@ -614,6 +615,7 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const R
   if (head >= p.num_heads) return;
   const int np = (p.seq_lens[seq] + p.partition_size - 1) / p.partition_size;
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
+  wait_prior_grid();  // the partials below are the attention kernel's
   float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll 4
   for (int i = 0; i < np; ++i) {
@@ -646,6 +648,7 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const Reduc
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   const float* ml = p.max_logits + base;
   const float* es = p.exp_sums + base;
+  wait_prior_grid();  // the partials below are the attention kernel's
 
   // Latency, not bandwidth, bounds this kernel: issue the partials' first rows together
   // with the statistics instead of after the two block reductions.

@@ -33,19 +33,44 @@ int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* 
   return (int)CPA_RT(GetLastError)();
 }
 
+// A reduce kernel, launched as a programmatic dependent of the attention kernel where the
+// device has it (sm_90+, CPA_PDL): see wait_prior_grid() in platform.h.
+template <class Kernel>
+int launch_dependent(Kernel kernel, dim3 grid, int threads, const ReduceParams& p, void* stream) {
+#if CPA_CUDA && CPA_PDL
+  static const bool pdl = [] {
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+  }();
+  if (pdl) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = (cudaStream_t)stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return (int)cudaLaunchKernelEx(&cfg, kernel, p);
+  }
+#endif
+  kernel<<<grid, threads, 0, (CPA_RT(Stream_t))stream>>>(p);
+  return (int)CPA_RT(GetLastError)();
+}
+
 template <class Cfg>
 int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
   using T = typename Cfg::Dtype;
   if (use_reduce_few(p.max_num_partitions, num_seqs, p.num_heads)) {  // a handful of partials per head
     using RF = ReduceFewConfig<T, Cfg::head_size>;
-    dim3 grid((p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs);
-    paged_attention_reduce_few_kernel<T, Cfg::head_size><<<grid, RF::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
-    return (int)CPA_RT(GetLastError)();
+    return launch_dependent(paged_attention_reduce_few_kernel<T, Cfg::head_size>,
+                            dim3((p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs), RF::THREADS, p, stream);
   }
-  dim3 grid(p.num_heads, num_seqs);
-  paged_attention_reduce_kernel<typename Cfg::Dtype, Cfg::head_size>
-      <<<grid, ReduceConfig<typename Cfg::Dtype, Cfg::head_size>::THREADS, 0, (CPA_RT(Stream_t))stream>>>(p);
-  return (int)CPA_RT(GetLastError)();
+  return launch_dependent(paged_attention_reduce_kernel<T, Cfg::head_size>, dim3(p.num_heads, num_seqs),
+                          ReduceConfig<T, Cfg::head_size>::THREADS, p, stream);
 }
 
 // which = 0: attention kernel, 1: reduce kernel, 2: few-partitions reduce kernel.

@@ -194,6 +194,23 @@ CPA_DEVICE u32x2 lds8(const void* p) {
 #endif
   return {v.x, v.y};
 }
+// Programmatic dependent launch (sm_90+, CPA_PDL): the reduce kernel is launched while the
+// attention kernel's last workgroups still run, so its launch latency and prologue overlap
+// them; it waits in wait_prior_grid() until the attention kernel has finished and its writes
+// are visible. No-ops elsewhere (HIP has no such launch; before sm_90 the kernels serialize).
+#ifndef CPA_PDL
+#define CPA_PDL 1
+#endif
+CPA_DEVICE void allow_dependent_launch() {
+#if CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+CPA_DEVICE void wait_prior_grid() {
+#if CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 #if CPA_CUDA
 CPA_DEVICE void cp_async16(void* smem, const void* g) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
