@@ -38,6 +38,10 @@ def _cases():
                 dt = V.DTYPES[i % 2]
                 kv = V.KV_CACHE_DTYPES[(i // 2) % 2]
                 cases.append(dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv, **ax))
+    # the largest partition: two block-table entries per lane (CPA_BT_PREFETCH) at block 16
+    for i, ax in enumerate(AXES):
+        cases.append(dict(BASE, tiling="mfma16", partition_size=4096, dtype=V.DTYPES[i % 2],
+                          kv=V.KV_CACHE_DTYPES[(i // 2) % 2], **ax))
     return cases
 
 
@@ -152,7 +156,7 @@ def test_default_variant_and_128k_context():
         assert reference.relative_error(out, ref) <= reference.REL_ERR_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=2048), dict(partition_size=96),
+@pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=8192), dict(partition_size=96),
                                  dict(tiling="mfma32")])
 def test_unsupported_variant_refused_before_launch(bad):
     import cpa

@@ -133,13 +133,25 @@ template <class A, class B> struct Pick<false, A, B> { using type = B; };
 template <class A, class B> struct Same { static constexpr bool value = false; };
 template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
-// The paged cache, with the physical blocks of the wave's steps held one per lane (entry):
-// block_offset(token) of the step at tok0 is a shuffle from the lane of that block.
-template <class Cache, int BLOCK, int NBLK>
+// The paged cache, with the physical blocks of the wave's steps held one per lane (entry;
+// HI: a second one, entry_hi, for the wave's blocks kWave .. 2 kWave - 1): block_offset(token)
+// of the step at tok0 is a shuffle from the lane of that block.
+template <class Cache, int BLOCK, int NBLK, bool HI>
 struct TabledKV : Cache {
-  int entry;   // lane l: physical block of the wave's block l
-  int j0;      // the wave's block index of the current step's first block
-  int tok0;    // the current step's first token
+  int entry;     // lane l: physical block of the wave's block l (then kWave + l, once advanced)
+  int entry_hi;  // lane l: physical block of the wave's block kWave + l (HI only)
+  int j0;        // the wave's block index of the current step's first block, within entry
+  int tok0;      // the current step's first token
+  CPA_DEVICE void advance(int tok) {
+    j0 += NBLK;
+    if constexpr (HI) {
+      if (j0 == kWave) {  // NBLK divides kWave: the step's blocks are all in the next set
+        entry = entry_hi;
+        j0 = 0;
+      }
+    }
+    tok0 = tok;
+  }
   CPA_DEVICE int64_t block_offset(int token) const {
     return (int64_t)shfl_idx_i32(entry, j0 + (token - tok0) / BLOCK) * this->block_stride;
   }
@@ -157,24 +169,24 @@ struct KVSteps {
   static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
   static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
   // (matrix-core tilings, 16-bit cache, head <= 128, <= 8 heads per tile: see CPA_BT_PREFETCH)
+  static constexpr int WAVE_BLOCKS = (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK;
   static constexpr bool kTabled = CPA_BT_PREFETCH && !Same<typename Cfg::Tiling, TilingScalar>::value &&
                                   !Cfg::fp8 && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
-                                  (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK <= kWave;
-  using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK>, Cache>::type;
+                                  WAVE_BLOCKS <= 2 * kWave && kWave % NBLK == 0;
+  static constexpr bool kHi = WAVE_BLOCKS > kWave;
+  using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK, kHi>, Cache>::type;
   Src c;
   CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end) {
     if constexpr (kTabled) {
-      c = Src{cache, 0, -NBLK, first};  // load() advances j0 before the first step
+      c = Src{cache, 0, 0, -NBLK, first};  // load() advances j0 before the first step
       cache.template wave_blocks<NBLK, STRIDE>(first, end, c.entry);
+      if constexpr (kHi) cache.template wave_blocks_hi<NBLK, STRIDE>(first, end, c.entry_hi);
     } else {
       c = cache;
     }
   }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
-    if constexpr (kTabled) {
-      c.j0 += NBLK;
-      c.tok0 = tok0;
-    }
+    if constexpr (kTabled) c.advance(tok0);
     Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, c, tok0, partial);
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
@@ -551,24 +563,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 }
 
 // ---------------------------------------------------------------- reduce
-template <int THREADS>
-CPA_DEVICE float block_reduce(float x, float* red, bool is_max) {
-  constexpr int NW = THREADS / kWave;
-  x = wave_reduce(x, is_max);
-  if (lane_id() == 0) red[wave_id()] = x;
-  barrier();
-  float r = red[0];
-#pragma unroll
-  for (int i = 1; i < NW; ++i) r = is_max ? fmaxf_(r, red[i]) : r + red[i];
-  barrier();
-  return r;
-}
-
 template <class T, int HEAD>
 struct ReduceConfig {
   static constexpr int THREADS = 256;
   static constexpr int COLS = HEAD / 4;         // float4 columns of a partial output row
   static constexpr int ROWS = THREADS / COLS;   // partitions combined in parallel
+  static constexpr int ROWS_PER_THREAD = 8;     // partitions one thread loads at once
   static_assert(THREADS % COLS == 0, "head size / 4 must divide the reduce workgroup");
 };
 
@@ -637,54 +637,72 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const R
 
 // grid (num_heads, num_seqs): out = sum_p w_p tmp_out_p / sum_p w_p,
 // w_p = exp_sums_p * exp(max_logits_p - max_q max_logits_q).
+// Latency bounds this kernel (a few KB per head, mostly L2 hits), so it has one round of
+// loads and one barrier: ROWS row groups take the partitions side by side, each thread issues
+// the loads of up to RPT of its partitions at once and rescales them online in registers,
+// and the row groups' (max, weight sum, partial sums) are combined once in shared memory.
+// (The previous kernel -- two block reductions, then one dependent load per ROWS partitions --
+// cost 2.6-3.4 us at batch 1 with 32-64 partitions on the H200.)
 template <class T, int HEAD>
 __global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const ReduceParams p) {
   using RC = ReduceConfig<T, HEAD>;
-  __shared__ float red[RC::THREADS / kWave];
-  __shared__ __attribute__((aligned(16))) float acc_s[RC::ROWS][HEAD];
+  constexpr int RPT = RC::ROWS_PER_THREAD, ROWS = RC::ROWS;
+  __shared__ float max_s[ROWS], sum_s[ROWS];
+  __shared__ __attribute__((aligned(16))) float acc_s[ROWS][HEAD];
   const int head = block_idx_x(), seq = block_idx_y(), tid = thread_idx();
-  const int seq_len = p.seq_lens[seq];
-  const int np = (seq_len + p.partition_size - 1) / p.partition_size;
+  const int np = (p.seq_lens[seq] + p.partition_size - 1) / p.partition_size;
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
-  const float* ml = p.max_logits + base;
-  const float* es = p.exp_sums + base;
+  const int col = tid % RC::COLS, row = tid / RC::COLS;
   wait_prior_grid();  // the partials below are the attention kernel's
 
-  // Latency, not bandwidth, bounds this kernel: issue the partials' first rows together
-  // with the statistics instead of after the two block reductions.
-  const int col = tid % RC::COLS, row = tid / RC::COLS;
-  u32x4 first = {0u, 0u, 0u, 0u};
-  if (row < np) first = load16(p.tmp_out + (base + row) * HEAD + 4 * col);
-  const float ml0 = tid < np ? ml[tid] : -INFINITY;
-  const float es0 = tid < np ? es[tid] : 0.f;
-  float mx = ml0;
-  for (int i = tid + RC::THREADS; i < np; i += RC::THREADS) mx = fmaxf_(mx, ml[i]);
-  mx = block_reduce<RC::THREADS>(mx, red, true);
-  float wsum = tid < np ? es0 * exp2f_fast((ml0 - mx) * kLog2e) : 0.f;
-  for (int i = tid + RC::THREADS; i < np; i += RC::THREADS) wsum += es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
-  wsum = block_reduce<RC::THREADS>(wsum, red, false);
-
-  float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-  if (row < np) {
-    const float w = es[row] * exp2f_fast((ml[row] - mx) * kLog2e);
-    a0 = w * __uint_as_float(first.x); a1 = w * __uint_as_float(first.y);
-    a2 = w * __uint_as_float(first.z); a3 = w * __uint_as_float(first.w);
+  // A row group past np keeps m = -inf and zero sums: its weight below is exp(-inf) = 0.
+  float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+  for (int r0 = row; r0 < np; r0 += RPT * ROWS) {
+    float ml[RPT], es[RPT];
+    u32x4 v[RPT];
+#pragma unroll
+    for (int k = 0; k < RPT; ++k) {
+      // rows past np load the last partition again (no branch around the loads: all RPT are
+      // issued before the first use) and get zero weight
+      const int i = r0 + k * ROWS < np ? r0 + k * ROWS : np - 1;
+      ml[k] = p.max_logits[base + i];
+      const float e = p.exp_sums[base + i];
+      es[k] = r0 + k * ROWS < np ? e : 0.f;
+      v[k] = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
+    }
+    float mn = m;
+#pragma unroll
+    for (int k = 0; k < RPT; ++k) mn = fmaxf_(mn, ml[k]);  // finite: row r0 < np is valid
+    const float c = exp2f_fast((m - mn) * kLog2e);
+    wsum *= c; a0 *= c; a1 *= c; a2 *= c; a3 *= c;
+#pragma unroll
+    for (int k = 0; k < RPT; ++k) {
+      const float w = es[k] * exp2f_fast((ml[k] - mn) * kLog2e);
+      wsum += w;
+      a0 += w * __uint_as_float(v[k].x); a1 += w * __uint_as_float(v[k].y);
+      a2 += w * __uint_as_float(v[k].z); a3 += w * __uint_as_float(v[k].w);
+    }
+    m = mn;
   }
-  for (int i = row + RC::ROWS; i < np; i += RC::ROWS) {
-    const float w = es[i] * exp2f_fast((ml[i] - mx) * kLog2e);
-    const u32x4 v = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
-    a0 += w * __uint_as_float(v.x); a1 += w * __uint_as_float(v.y);
-    a2 += w * __uint_as_float(v.z); a3 += w * __uint_as_float(v.w);
+  if (col == 0) {
+    max_s[row] = m;
+    sum_s[row] = wsum;
   }
   acc_s[row][4 * col] = a0; acc_s[row][4 * col + 1] = a1;
   acc_s[row][4 * col + 2] = a2; acc_s[row][4 * col + 3] = a3;
   barrier();
-  const float inv = 1.f / wsum;
-  for (int d = tid; d < HEAD; d += RC::THREADS) {
-    float s = 0.f;
+  float mx = max_s[0];
 #pragma unroll
-    for (int r = 0; r < RC::ROWS; ++r) s += acc_s[r][d];
-    reinterpret_cast<uint16_t*>(p.out)[((int64_t)seq * p.num_heads + head) * HEAD + d] = T::from_float(s * inv);
+  for (int r = 1; r < ROWS; ++r) mx = fmaxf_(mx, max_s[r]);  // row group 0 always has partitions
+  for (int d = tid; d < HEAD; d += RC::THREADS) {
+    float s = 0.f, w = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const float f = exp2f_fast((max_s[r] - mx) * kLog2e);
+      s += acc_s[r][d] * f;
+      w += sum_s[r] * f;
+    }
+    reinterpret_cast<uint16_t*>(p.out)[((int64_t)seq * p.num_heads + head) * HEAD + d] = T::from_float(s / w);
   }
 }
 
