@@ -21,11 +21,15 @@ def main(argv=None) -> int:
 
     cases = [(t, p, dt, kv, g) for t in cpa.variants.TILINGS for p in (64, 256) for dt, kv in
              (("fp16", "auto"), ("bf16", "fp8")) for g in ((8,) if args.small else (1, 8, 16))]
-    lens = [1, 17, 63, 64, 65, 300] if args.small else [1, 17, 255, 256, 257, 4093]
+    # 4500 tokens at partition 64: more partitions than one round of the reduce kernel's loads
+    lens = [1, 17, 63, 64, 65, 300, 4500] if args.small else [1, 17, 255, 256, 257, 4093]
+    # the largest partition: the second block-table entry per lane past 2048 tokens
+    cases.append(("mfma16", 4096, "fp16", "auto", 8))
     failed = 0
     for t, p, dt, kv, g in cases:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
-        inp = make_paged_inputs(len(lens), 2 * g, 2, 128, 16, lens, dtype=dtype, kv_cache_dtype=kv, device="cuda",
+        ls = [1, 2047, 2048, 2049, 4096, 4097, 6000] if p == 4096 else lens
+        inp = make_paged_inputs(len(ls), 2 * g, 2, 128, 16, ls, dtype=dtype, kv_cache_dtype=kv, device="cuda",
                                 seed=p + g)
         out = cpa.paged_attention(**inp.as_kwargs(), tiling=t, partition_size=p)
         ref = reference.paged_attention(**inp.as_kwargs())
