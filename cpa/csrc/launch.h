@@ -26,7 +26,8 @@ int allow_dynamic_smem() {
 
 template <class Cfg>
 int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
-  dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
+  const dim3 grid = CPA_GRID_KVH_FIRST ? dim3(num_kv_heads, p.max_num_partitions, num_seqs)
+                                       : dim3(num_seqs, p.max_num_partitions, num_kv_heads);
   static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
   if (opt_in) return opt_in;
   paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), (CPA_RT(Stream_t))stream>>>(p);
