@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass
 from . import hardware as hw
 from . import variants as V
 
-REDUCE_THREADS = V.REDUCE_THREADS  # cpa/csrc/attention.h ReduceConfig / ReduceFewConfig::THREADS
+REDUCE_THREADS = V.REDUCE_THREADS  # cpa/csrc/attention.h ReduceConfig::THREADS
+REDUCE_FEW_THREADS = V.REDUCE_FEW_THREADS  # ReduceFewConfig::THREADS
 ATTN_WAVES = 4  # cpa/csrc/attention.h AttnConfig::NUM_WAVES
 
 
@@ -390,7 +391,7 @@ def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_
         resident_per_cu=per_cu, limit=limit, compute_units=spec.compute_units, slots=slots,
         full_waves=wg // slots, tail_workgroups=wg % slots, waves=waves, wave_efficiency=wg / (waves * slots),
         cu_fill=min(wg, slots) / slots, reduce_launched=launched, reduce_kernel=r_kernel or "", reduce_workgroups=r_wg,
-        reduce_threads=REDUCE_THREADS, reduce_resident_per_cu=r_per_cu, reduce_waves=r_waves,
+        reduce_threads=REDUCE_FEW_THREADS if r_kernel == "reduce_few" else REDUCE_THREADS, reduce_resident_per_cu=r_per_cu, reduce_waves=r_waves,
         partials_bytes_written=one_way, partials_bytes_read=one_way, partials_bytes=2 * one_way)
 
 

@@ -153,7 +153,8 @@ class Variant:
 REDUCE_FEW_MAX = 16
 REDUCE_FEW_ALWAYS = 4
 REDUCE_FEW_MIN_HEADS = 1024
-REDUCE_THREADS = 256  # both reduce kernels' workgroup size
+REDUCE_THREADS = 128  # workgroup size of "reduce" (ReduceConfig::THREADS)
+REDUCE_FEW_THREADS = 256  # and of "reduce_few" (ReduceFewConfig::THREADS)
 
 
 def reduce_kernel(max_num_partitions: int, num_seqs: int, num_heads: int) -> str | None:
@@ -168,12 +169,12 @@ def reduce_kernel(max_num_partitions: int, num_seqs: int, num_heads: int) -> str
 
 def reduce_workgroups(kernel: str | None, num_seqs: int, num_heads: int, head_size: int) -> int:
     """Workgroups of that reduce launch: (num_heads, num_seqs) for 'reduce', heads packed
-    REDUCE_THREADS / (head_size / 4) to a workgroup for 'reduce_few'."""
+    REDUCE_FEW_THREADS / (head_size / 4) to a workgroup for 'reduce_few'."""
     if kernel is None:
         return 0
     if kernel == "reduce":
         return num_heads * num_seqs
-    per = REDUCE_THREADS // (head_size // 4)
+    per = REDUCE_FEW_THREADS // (head_size // 4)
     return -(-num_heads // per) * num_seqs
 
 

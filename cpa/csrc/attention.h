@@ -186,11 +186,42 @@ struct KVSteps {
   static constexpr bool kHi = WAVE_BLOCKS > kWave;
   using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK, kHi>, Cache>::type;
   Src c;
-  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end) {
+
+  // The block-table entries of the wave's blocks (lane l: block l, then kWave + l), read before
+  // seq_len is known -- so that this L2/DRAM round trip overlaps the seq_lens load instead of
+  // following it -- clamped to the table row only: entries past the sequence may be garbage
+  // until the constructor replaces them.
+  struct Table {
+    int raw = 0, raw_hi = 0;
+  };
+  CPA_DEVICE static int block_index(int first, int l) { return (first + l / NBLK * STRIDE + l % NBLK * BLOCK) / BLOCK; }
+  CPA_DEVICE static Table read_table(const int* row, int max_blocks, int first) {
+    Table t;
+    if constexpr (kTabled) {
+      const int b = block_index(first, lane_id());
+      t.raw = load_i32_early(row + (b < max_blocks ? b : max_blocks - 1));
+      if constexpr (kHi) {
+        const int bh = block_index(first, kWave + lane_id());
+        t.raw_hi = load_i32_early(row + (bh < max_blocks ? bh : max_blocks - 1));
+      }
+    }
+    return t;
+  }
+  // A block past the sequence can only be a later block of the sequence's last step, whose
+  // first block is valid: it takes the sequence's last block from the lane of the same step
+  // that holds it (PagedKV::physical_block clamps the same way). Lanes of steps the wave does
+  // not run keep whatever they read.
+  CPA_DEVICE static int fix_tail(int raw, int first, int l0, int num_seq_blocks) {
+    const int over = block_index(first, l0 + lane_id()) - (num_seq_blocks - 1);
+    const int src = over > 0 ? lane_id() - over : lane_id();
+    return shfl_idx_i32(raw, src > 0 ? src : 0);
+  }
+
+  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int, const Table& t) {
     if constexpr (kTabled) {
       c = Src{cache, 0, 0, -NBLK, first};  // load() advances j0 before the first step
-      cache.template wave_blocks<NBLK, STRIDE>(first, end, c.entry);
-      if constexpr (kHi) cache.template wave_blocks_hi<NBLK, STRIDE>(first, end, c.entry_hi);
+      c.entry = fix_tail(t.raw, first, 0, cache.num_seq_blocks);
+      if constexpr (kHi) c.entry_hi = fix_tail(t.raw_hi, first, kWave, cache.num_seq_blocks);
     } else {
       c = cache;
     }
@@ -223,7 +254,9 @@ struct KVSteps<Cfg, true> {
   int nblk;   // blocks of the wave's steps
   int entry;  // lane l: physical block of wave block l
   int j0 = 0;
-  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end) : c(c) {
+  struct Table {};
+  CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
+  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&) : c(c) {
     uint8_t* mine = reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * Ring::BYTES;
     ring = Ring{mine, reinterpret_cast<uint64_t*>(mine + Ring::RING * Ring::SLOT), first, 0, c.seq_len};
     nblk = c.template wave_blocks<Ring::NBLK, STRIDE>(first, end, entry);
@@ -394,6 +427,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
             kvh = CPA_GRID_KVH_FIRST ? block_idx_x() : block_idx_z();
   const int seq_len = p.seq_lens[seq];
   const int start = part * PARTITION;
+  const int first = start + wave_id() * Tl::TOKENS;  // the wave's first step
+  const auto table = KVSteps<Cfg>::read_table(p.block_tables + (int64_t)seq * p.max_blocks_per_seq,
+                                              p.max_blocks_per_seq, first);
   if (start >= seq_len) return;  // whole workgroup: no barrier is skipped by part of it
   const int end = start + PARTITION < seq_len ? start + PARTITION : seq_len;
 
@@ -420,8 +456,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 
   // Waves take steps of the partition round-robin; online softmax inside the wave.
   constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
-  const int first = start + wave_id() * Tl::TOKENS;
-  KVSteps<Cfg> steps(smem, cache, first, end);
+  KVSteps<Cfg> steps(smem, cache, first, end, table);
   for (int tok0 = first; tok0 < end; tok0 += STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
@@ -576,7 +611,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 // ---------------------------------------------------------------- reduce
 template <class T, int HEAD>
 struct ReduceConfig {
-  static constexpr int THREADS = 256;
+  // 128 threads x 64 registers fit beside two attention workgroups on an H200 SM, so a
+  // programmatic dependent launch can make the reduce resident before the attention ends
+  static constexpr int THREADS = 128;
   static constexpr int COLS = HEAD / 4;         // float4 columns of a partial output row
   static constexpr int ROWS = THREADS / COLS;   // partitions combined in parallel
   static constexpr int ROWS_PER_THREAD = 8;     // partitions one thread loads at once
@@ -655,7 +692,7 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const R
 // (The previous kernel -- two block reductions, then one dependent load per ROWS partitions --
 // cost 2.6-3.4 us at batch 1 with 32-64 partitions on the H200.)
 template <class T, int HEAD>
-__global__ void __launch_bounds__(256) paged_attention_reduce_kernel(const ReduceParams p) {
+__global__ void __launch_bounds__(ReduceConfig<T, HEAD>::THREADS) paged_attention_reduce_kernel(const ReduceParams p) {
   using RC = ReduceConfig<T, HEAD>;
   constexpr int RPT = RC::ROWS_PER_THREAD, ROWS = RC::ROWS;
   __shared__ float max_s[ROWS], sum_s[ROWS];

@@ -61,14 +61,6 @@ struct PagedKV {
     entry = l < n ? physical_block(first + l / NBLK * STRIDE + l % NBLK * BLOCK) : 0;
     return n;
   }
-  // The wave's blocks kWave .. 2 kWave - 1 (lane l: block kWave + l), for partitions whose
-  // steps span more blocks than a wave has lanes.
-  template <int NBLK, int STRIDE>
-  CPA_DEVICE void wave_blocks_hi(int first, int end, int& entry) const {
-    const int n = first < end ? (end - first + STRIDE - 1) / STRIDE * NBLK : 0;
-    const int l = kWave + lane_id();
-    entry = l < n ? physical_block(first + l / NBLK * STRIDE + l % NBLK * BLOCK) : 0;
-  }
   // K[token][d .. d + X) for d a multiple of X, or the half chunk at d % X == X / 2.
   CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
     return k + boff + ((d / X) * BLOCK + token % BLOCK) * 16 + (d % X) * ELEM;

@@ -165,6 +165,17 @@ CPA_DEVICE uint32_t load4(const void* p) {
   return __ldg(reinterpret_cast<const unsigned int*>(p));
 #endif
 }
+// A load the compiler keeps where it is written (volatile asm on NVIDIA: it is not sunk past
+// a later branch), so that it is in flight before a branch that does not need it resolves.
+CPA_DEVICE int load_i32_early(const int* p) {
+#if CPA_HIP
+  return *p;
+#else
+  int x;
+  asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(x) : "l"(p));
+  return x;
+#endif
+}
 CPA_DEVICE int load_i32(const int* p) {
 #if CPA_HIP
   return *p;
