@@ -422,6 +422,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   __shared__ __attribute__((aligned(16))) float smem[Cfg::SMEM_FLOATS];
 #endif
 
+  if (CPA_PDL_ATTENTION) wait_prior_grid();  // before any access: the previous kernel's writes
   allow_dependent_launch();  // the reduce kernel may be scheduled once every workgroup is running
   const int seq = CPA_GRID_KVH_FIRST ? block_idx_z() : block_idx_x(), part = block_idx_y(),
             kvh = CPA_GRID_KVH_FIRST ? block_idx_x() : block_idx_z();

@@ -24,20 +24,12 @@ int allow_dynamic_smem() {
                                        CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
 }
 
-template <class Cfg>
-int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
-  const dim3 grid = CPA_GRID_KVH_FIRST ? dim3(num_kv_heads, p.max_num_partitions, num_seqs)
-                                       : dim3(num_seqs, p.max_num_partitions, num_kv_heads);
-  static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
-  if (opt_in) return opt_in;
-  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), (CPA_RT(Stream_t))stream>>>(p);
-  return (int)CPA_RT(GetLastError)();
-}
-
-// A reduce kernel, launched as a programmatic dependent of the attention kernel where the
-// device has it (sm_90+, CPA_PDL): see wait_prior_grid() in platform.h.
-template <class Kernel>
-int launch_dependent(Kernel kernel, dim3 grid, int threads, const ReduceParams& p, void* stream) {
+// A kernel launched as a programmatic dependent of the kernel before it on the stream where
+// the device has it (sm_90+, CPA_PDL): it may be scheduled while that kernel's last
+// workgroups run and waits in wait_prior_grid() (platform.h) before touching memory the
+// previous kernel may write or read.
+template <class Kernel, class Params>
+int launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, void* stream) {
 #if CPA_CUDA && CPA_PDL
   static const bool pdl = [] {
     int dev = 0, major = 0;
@@ -51,15 +43,29 @@ int launch_dependent(Kernel kernel, dim3 grid, int threads, const ReduceParams& 
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(threads);
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = smem;
     cfg.stream = (cudaStream_t)stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     return (int)cudaLaunchKernelEx(&cfg, kernel, p);
   }
 #endif
-  kernel<<<grid, threads, 0, (CPA_RT(Stream_t))stream>>>(p);
+  kernel<<<grid, threads, smem, (CPA_RT(Stream_t))stream>>>(p);
   return (int)CPA_RT(GetLastError)();
+}
+
+template <class Cfg>
+int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
+  const dim3 grid = CPA_GRID_KVH_FIRST ? dim3(num_kv_heads, p.max_num_partitions, num_seqs)
+                                       : dim3(num_seqs, p.max_num_partitions, num_kv_heads);
+  static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
+  if (opt_in) return opt_in;
+#if CPA_PDL_ATTENTION
+  return launch_dependent(paged_attention_kernel<Cfg>, grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), p, stream);
+#else
+  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), (CPA_RT(Stream_t))stream>>>(p);
+  return (int)CPA_RT(GetLastError)();
+#endif
 }
 
 template <class Cfg>
@@ -68,10 +74,10 @@ int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
   if (use_reduce_few(p.max_num_partitions, num_seqs, p.num_heads)) {  // a handful of partials per head
     using RF = ReduceFewConfig<T, Cfg::head_size>;
     return launch_dependent(paged_attention_reduce_few_kernel<T, Cfg::head_size>,
-                            dim3((p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs), RF::THREADS, p, stream);
+                            dim3((p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs), RF::THREADS, 0, p, stream);
   }
   return launch_dependent(paged_attention_reduce_kernel<T, Cfg::head_size>, dim3(p.num_heads, num_seqs),
-                          ReduceConfig<T, Cfg::head_size>::THREADS, p, stream);
+                          ReduceConfig<T, Cfg::head_size>::THREADS, 0, p, stream);
 }
 
 // which = 0: attention kernel, 1: reduce kernel, 2: few-partitions reduce kernel.

@@ -212,6 +212,11 @@ CPA_DEVICE u32x2 lds8(const void* p) {
 #ifndef CPA_PDL
 #define CPA_PDL 1
 #endif
+// The attention kernel too, after whatever kernel precedes it (a research knob, off: its
+// launch then overlaps the previous kernel's tail; it waits before its first memory access).
+#ifndef CPA_PDL_ATTENTION
+#define CPA_PDL_ATTENTION 0
+#endif
 CPA_DEVICE void allow_dependent_launch() {
 #if CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
