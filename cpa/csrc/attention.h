@@ -11,16 +11,6 @@ namespace cpa {
 
 // Resident workgroups per SM/CU the compiler must allow (register budget); 1 leaves the
 // choice to the compiler. A research knob: set through CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3.
-// Waves per workgroup: 4 as upstream's ROCm kernel. A research knob (-DCPA_NUM_WAVES=8).
-#ifndef CPA_NUM_WAVES
-#define CPA_NUM_WAVES 4
-#endif
-// Grid order: 0 = (sequence, partition, KV head), x fastest; 1 = (KV head, partition,
-// sequence), so that the workgroups of one sequence's KV heads -- whose blocks are adjacent
-// in the cache -- are scheduled together. A research knob (-DCPA_GRID_KVH_FIRST=1).
-#ifndef CPA_GRID_KVH_FIRST
-#define CPA_GRID_KVH_FIRST 0
-#endif
 #ifndef CPA_MIN_BLOCKS
 #define CPA_MIN_BLOCKS 1
 #endif
@@ -93,7 +83,7 @@ struct StagedBytes<Tl, true> { static constexpr int value = Tl::Staged::BYTES; }
 // One compile-time variant. Tag: TilingMfma16 / TilingMfma4 / TilingScalar.
 template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int CAP>
 struct AttnConfig {
-  static constexpr int NUM_WAVES = CPA_NUM_WAVES;
+  static constexpr int NUM_WAVES = 4;
   static constexpr int THREADS = NUM_WAVES * kWave;
   using Dtype = T;
   using Tiling = Tag;
@@ -424,8 +414,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 
   if (CPA_PDL_ATTENTION) wait_prior_grid();  // before any access: the previous kernel's writes
   allow_dependent_launch();  // the reduce kernel may be scheduled once every workgroup is running
-  const int seq = CPA_GRID_KVH_FIRST ? block_idx_z() : block_idx_x(), part = block_idx_y(),
-            kvh = CPA_GRID_KVH_FIRST ? block_idx_x() : block_idx_z();
+  const int seq = block_idx_x(), part = block_idx_y(), kvh = block_idx_z();
   const int seq_len = p.seq_lens[seq];
   const int start = part * PARTITION;
   const int first = start + wave_id() * Tl::TOKENS;  // the wave's first step

@@ -56,8 +56,7 @@ int launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, const Para
 
 template <class Cfg>
 int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
-  const dim3 grid = CPA_GRID_KVH_FIRST ? dim3(num_kv_heads, p.max_num_partitions, num_seqs)
-                                       : dim3(num_seqs, p.max_num_partitions, num_kv_heads);
+  const dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
   static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
   if (opt_in) return opt_in;
 #if CPA_PDL_ATTENTION
