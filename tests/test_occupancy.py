@@ -245,9 +245,9 @@ def test_reduce_kernel_rule_matches_the_launcher():
     assert macros == dict(CPA_REDUCE_FEW_MAX=V.REDUCE_FEW_MAX, CPA_REDUCE_FEW_ALWAYS=V.REDUCE_FEW_ALWAYS,
                           CPA_REDUCE_FEW_MIN_HEADS=V.REDUCE_FEW_MIN_HEADS)
     assert "max_num_partitions <= CPA_REDUCE_FEW_ALWAYS" in src and "num_seqs * num_heads >= " in src
-    threads = {k: int(re.search(rf"struct {k} {{.*?THREADS = (\d+);", src, re.S).group(1))
-               for k in ("ReduceConfig", "ReduceFewConfig")}
-    assert threads == dict(ReduceConfig=V.REDUCE_THREADS, ReduceFewConfig=V.REDUCE_FEW_THREADS)
+    assert int(re.search(r"constexpr int kReduceThreads = (\d+);", src).group(1)) == V.REDUCE_THREADS
+    assert re.search(r"struct ReduceConfig {.*?THREADS = kReduceThreads;", src, re.S)
+    assert int(re.search(r"struct ReduceFewConfig {.*?THREADS = (\d+);", src, re.S).group(1)) == V.REDUCE_FEW_THREADS
     assert V.reduce_kernel(1, 1, 64) is None
     assert [V.reduce_kernel(n, 1, 64) for n in (2, 4, 5, 16, 17)] == ["reduce_few"] * 2 + ["reduce"] * 3
     assert [V.reduce_kernel(n, 16, 64) for n in (5, 16, 17)] == ["reduce_few", "reduce_few", "reduce"]

@@ -599,11 +599,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 }
 
 // ---------------------------------------------------------------- reduce
+constexpr int kReduceThreads = 128;  // (a plain name: HIP's __launch_bounds__ is a macro)
 template <class T, int HEAD>
 struct ReduceConfig {
   // 128 threads x 64 registers fit beside two attention workgroups on an H200 SM, so a
   // programmatic dependent launch can make the reduce resident before the attention ends
-  static constexpr int THREADS = 128;
+  static constexpr int THREADS = kReduceThreads;
   static constexpr int COLS = HEAD / 4;         // float4 columns of a partial output row
   static constexpr int ROWS = THREADS / COLS;   // partitions combined in parallel
   static constexpr int ROWS_PER_THREAD = 8;     // partitions one thread loads at once
@@ -682,7 +683,7 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const R
 // (The previous kernel -- two block reductions, then one dependent load per ROWS partitions --
 // cost 2.6-3.4 us at batch 1 with 32-64 partitions on the H200.)
 template <class T, int HEAD>
-__global__ void __launch_bounds__(ReduceConfig<T, HEAD>::THREADS) paged_attention_reduce_kernel(const ReduceParams p) {
+__global__ void __launch_bounds__(kReduceThreads) paged_attention_reduce_kernel(const ReduceParams p) {
   using RC = ReduceConfig<T, HEAD>;
   constexpr int RPT = RC::ROWS_PER_THREAD, ROWS = RC::ROWS;
   __shared__ float max_s[ROWS], sum_s[ROWS];
