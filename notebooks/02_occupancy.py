@@ -104,9 +104,11 @@ P.show(P.grid_fill(grids))
 sweep = A.sweep_results("llama70b-decode", mode="shipped")
 SWEEP_SHAPES = [dict(num_seqs=int(b), num_heads=64, num_kv_heads=8, max_seq_len=int(c))
                 for b, c in sweep.df[["num_seqs", "max_seq_len"]].drop_duplicates().itertuples(index=False)]
-g90 = O.grid_table("sm_90", SWEEP_SHAPES, tilings=["mfma16"])
+# the partition sizes the sweep measured (the model is fitted and compared on those only)
+SWEEP_P = sorted(int(p) for p in A.cpa_rows(sweep.df).partition_size.unique())
+g90 = O.grid_table("sm_90", SWEEP_SHAPES, tilings=["mfma16"], partition_sizes=SWEEP_P)
 model, fitted = O.fit_wave_model(g90, A.cpa_rows(sweep.df), sweep.ceilings()["read_gbps"] * 1e9,
-                                 "the H200 sweep (mfma16, 56 shapes x 5 partition sizes)")
+                                 f"the H200 sweep (mfma16, 56 shapes x {len(SWEEP_P)} partition sizes)")
 err = fitted.model_us / fitted.time_us
 print(f"modeled / measured: median {err.median():.3f}, 10-90% {err.quantile(0.1):.2f}-{err.quantile(0.9):.2f}")
 P.show(P.model_vs_measured(fitted, model))
@@ -122,7 +124,7 @@ display(h200.pivot(index="partition_size", columns="scenario", values="geomean_s
 
 # %%
 frac = model.bw_bytes_per_s / hw.H200.hbm_bandwidth_bytes_per_s
-g942 = O.grid_table("gfx942", SWEEP_SHAPES, tilings=["mfma16"])
+g942 = O.grid_table("gfx942", SWEEP_SHAPES, tilings=["mfma16"], partition_sizes=SWEEP_P)
 rows = [h200[h200.scenario == "H200 measured"]]
 for k in (0.5, 1.0, 2.0):
     m = dataclasses.replace(model, bw_bytes_per_s=hw.MI300X.hbm_bandwidth_bytes_per_s * frac,
