@@ -382,6 +382,9 @@ def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_
     r_wg = V.reduce_workgroups(r_kernel, num_seqs, num_heads, variant.head_size)
     r_res = reduce_few if r_kernel == "reduce_few" else reduce
     r_per_cu = resident_workgroups(arch, r_res, spec)[0] if (launched and r_res is not None) else 0
+    # the launched kernel's workgroup size: from its resource row when given (the compiled kernel)
+    r_threads = int(r_res["threads_per_block"]) if (launched and r_res is not None) else \
+        (REDUCE_FEW_THREADS if r_kernel == "reduce_few" else REDUCE_THREADS)
     r_waves = _ceil_div(r_wg, r_per_cu * spec.compute_units) if (r_wg and r_per_cu) else 0
     one_way = num_seqs * num_heads * parts * (variant.head_size + 2) * 4 if launched else 0
     return GridOccupancy(
@@ -391,7 +394,7 @@ def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_
         resident_per_cu=per_cu, limit=limit, compute_units=spec.compute_units, slots=slots,
         full_waves=wg // slots, tail_workgroups=wg % slots, waves=waves, wave_efficiency=wg / (waves * slots),
         cu_fill=min(wg, slots) / slots, reduce_launched=launched, reduce_kernel=r_kernel or "", reduce_workgroups=r_wg,
-        reduce_threads=REDUCE_FEW_THREADS if r_kernel == "reduce_few" else REDUCE_THREADS, reduce_resident_per_cu=r_per_cu, reduce_waves=r_waves,
+        reduce_threads=r_threads, reduce_resident_per_cu=r_per_cu, reduce_waves=r_waves,
         partials_bytes_written=one_way, partials_bytes_read=one_way, partials_bytes=2 * one_way)
 
 

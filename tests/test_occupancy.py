@@ -69,10 +69,18 @@ def test_tables_complete(arch):
     got = set(df.variant)
     assert got == names, f"{len(names - got)} documented variants missing, {len(got - names)} extra"
     assert len(df) == len(KERNELS) * len(got) and set(df.kernel) == KERNELS
-    assert df.sources_digest.nunique() == 1  # one snapshot of cpa/csrc per table
+    # one snapshot of cpa/csrc per table -- per partition size for gfx90a, whose partitions
+    # 2048 and 4096 were compiled later than the rest (data/static/README.md)
+    if arch == "gfx90a":
+        assert (df.groupby("partition_size").sources_digest.nunique() == 1).all()
+        assert df[df.partition_size >= 2048].sources_digest.nunique() == 1
+    else:
+        assert df.sources_digest.nunique() == 1
     if arch.startswith("gfx"):
         assert (df.waves_per_simd_compiler >= 1).all()
-        assert (df.threads_per_block == 256).all()
+        # 4 waves of 64 per workgroup; the block-wide reduce has 128 threads since e32031f
+        assert (df[df.kernel != "reduce"].threads_per_block == 256).all()
+        assert set(df[df.kernel == "reduce"].threads_per_block) <= {128, 256}
     else:
         assert set(df.threads_per_block) == {128, 256}
 

@@ -79,6 +79,10 @@ template <class Tl, bool STAGED>
 struct StagedBytes { static constexpr int value = 0; };
 template <class Tl>
 struct StagedBytes<Tl, true> { static constexpr int value = Tl::Staged::BYTES; };
+template <class Tl, bool STAGED>
+struct StagedBlocks { static constexpr int value = 0; };
+template <class Tl>
+struct StagedBlocks<Tl, true> { static constexpr int value = Tl::Staged::NBLK; };
 
 // One compile-time variant. Tag: TilingMfma16 / TilingMfma4 / TilingScalar.
 template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int CAP>
@@ -99,8 +103,11 @@ struct AttnConfig {
   static constexpr int TILE_FLOATS = (Tiles::SMEM_BYTES + 3) / 4;
   // (a stage that would not fit the SM's shared memory, e.g. the ring at head 256 block 32,
   // leaves the variant on direct loads)
+  // (the ring holds one block-table entry per lane: longer partitions stay on direct loads)
   static constexpr bool staged = StagesKV<Tiles>::value &&
-                                 NUM_WAVES * StagedBytes<Tiles, StagesKV<Tiles>::value>::value <= 220 * 1024;
+                                 NUM_WAVES * StagedBytes<Tiles, StagesKV<Tiles>::value>::value <= 220 * 1024 &&
+                                 (CPA_KV_ASYNC != 3 || PARTITION / (NUM_WAVES * Tiles::TOKENS) *
+                                                           StagedBlocks<Tiles, StagesKV<Tiles>::value>::value <= kWave);
   // staged: one 16-byte aligned slot per wave after the tiling's own shared memory (the
   // cross-wave combine reuses it after the loop)
   static constexpr int STAGE_AT = (TILE_FLOATS + 3) / 4 * 4;
@@ -288,7 +295,9 @@ struct KVSteps<Cfg, true> {
   const Cache& c;
   St st;
   int end;
-  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end)
+  struct Table {};
+  CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
+  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&)
       : c(c), st{reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * St::BYTES, first, c.seq_len},
         end(end) {
     if (first < end) {
