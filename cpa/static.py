@@ -277,8 +277,8 @@ def _rows_for_group(group, arch, inc: Path = CSRC) -> list[dict]:
             else:
                 row.update(registers=r["registers"], shared_bytes=r["shared_bytes"], stack_bytes=r["stack_bytes"],
                            spills=r["spill_stores"] + r["spill_loads"])
-            cfg_threads = {"attention": 4 * V.WAVE_SIZE[v.platform], "reduce": V.REDUCE_THREADS}.get(
-                kernel, V.REDUCE_FEW_THREADS)
+            cfg_threads = {"attention": 4 * V.WAVE_SIZE[v.platform], "reduce": V.REDUCE_THREADS,
+                           "reduce_few": V.REDUCE_FEW_THREADS}[kernel]
             row["threads_per_block"] = cfg_threads
             row.update(mixes.get(fn, {}))
             rows.append(row)

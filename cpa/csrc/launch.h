@@ -24,19 +24,20 @@ int allow_dynamic_smem() {
                                        CPA_RT(FuncAttributeMaxDynamicSharedMemorySize), dyn);
 }
 
-// A kernel launched as a programmatic dependent of the kernel before it on the stream where
-// the device has it (sm_90+, CPA_PDL): it may be scheduled while that kernel's last
-// workgroups run and waits in wait_prior_grid() (platform.h) before touching memory the
-// previous kernel may write or read.
+// A kernel launched, when `dependent` and the device has it (sm_90+, CPA_PDL), as a
+// programmatic dependent of the kernel before it on the stream: it may be scheduled while that
+// kernel's last workgroups run and waits in wait_prior_grid() (platform.h) before touching
+// memory the previous kernel may write or read. Otherwise an ordinary launch.
 template <class Kernel, class Params>
-int launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, void* stream) {
+int launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, void* stream,
+                     bool dependent = true) {
 #if CPA_CUDA && CPA_PDL
   static const bool pdl = [] {
     int dev = 0, major = 0;
     return cudaGetDevice(&dev) == cudaSuccess &&
            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
   }();
-  if (pdl) {
+  if (pdl && dependent) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -59,12 +60,8 @@ int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* 
   const dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
   static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
   if (opt_in) return opt_in;
-#if CPA_PDL_ATTENTION
-  return launch_dependent(paged_attention_kernel<Cfg>, grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), p, stream);
-#else
-  paged_attention_kernel<Cfg><<<grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), (CPA_RT(Stream_t))stream>>>(p);
-  return (int)CPA_RT(GetLastError)();
-#endif
+  return launch_dependent(paged_attention_kernel<Cfg>, grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), p, stream,
+                          CPA_PDL_ATTENTION != 0);
 }
 
 template <class Cfg>
