@@ -80,7 +80,7 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
 
 
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
-        replays=30, sdpa=True, fused=True, out_csv=None, progress=True, block_order="shuffled"):
+        replays=30, sdpa=True, fused=True, cluster=True, out_csv=None, progress=True, block_order="shuffled"):
     import torch
 
     from . import ceilings, reference, variants as V
@@ -101,7 +101,8 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
           f"commit {prov['git_commit']}")
     print(f"# ceilings this run: read {read_gbps:.0f} GB/s ({ceil['read_method']}), copy {ceil['copy_gbps']:.0f} GB/s")
     rows = []
-    modes = (False, True) if fused else (False,)
+    # (fused_reduce, cluster_reduce): the reduce launch, and each in-kernel combine asked for
+    modes = [(False, False)] + [(True, False)] * bool(fused) + [(False, True)] * bool(cluster)
     shapes = [(b, c) for b in batches for c in contexts]
     bar = None
     if progress:
@@ -119,9 +120,10 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                      block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
         ref = reference.paged_attention(**args0)
         tol = reference.REL_ERR_TOL[dtype]
-        for tiling, P, fz in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
-            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz)
-            if fz and math.ceil(ctx / P) == 1:  # one partition: nothing to fuse
+        for tiling, P, (fz, cl) in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
+            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz, cluster_reduce=cl)
+            # one partition: nothing to fuse; a cluster only where the arch and partition count allow
+            if (fz and math.ceil(ctx / P) == 1) or (cl and V.cluster_unsupported(arch, math.ceil(ctx / P))):
                 if bar:
                     bar.update(1)
                 continue
@@ -129,7 +131,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                 launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache,
                                     block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale,
                                     partition_size=P, tiling=tiling, max_seq_len=ctx, check_values=(i == 0),
-                                    fused_reduce=fz)
+                                    fused_reduce=fz, cluster_reduce=cl)
                             for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
             except ValueError as e:  # not a variant of this platform
                 row.update(error=str(e))
@@ -142,11 +144,11 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
             err = reference.relative_error(out0, ref, per_seq=True)
             k = launches[0].kernel
             t_all = time_graph([l.__call__ for l in launches], replays=replays)
-            t_attn = t_all if fz else time_graph([l.attention for l in launches], replays=replays)
+            t_attn = t_all if (fz or cl) else time_graph([l.attention for l in launches], replays=replays)
             t_red = time_graph([l.reduce for l in launches], replays=replays) \
                 if launches[0].reduce_args is not None else None
             S, H, D, NP = b, LLAMA70B["num_heads"], LLAMA70B["head_size"], launches[0].num_partitions
-            partial_bytes = 0 if NP == 1 else 2 * S * H * NP * (D + 2) * 4
+            partial_bytes = 0 if (NP == 1 or cl) else 2 * S * H * NP * (D + 2) * 4
             total_bytes = sets.kv_bytes_per_set + 2 * S * H * D * 2 + partial_bytes
             row.update(t_all.as_dict(), attn_time_us=t_attn.median_us,
                        reduce_time_us=t_red.median_us if t_red else 0.0, num_partitions=NP,
@@ -249,6 +251,7 @@ def summary_table(df):
         p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
         p256 = p256.sort_values("time_us")
         fz = "+fused" if bool(best.get("fused_reduce", False)) else ""
+        fz += "+cluster" if _flag(best, "cluster_reduce") else ""
         line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}{fz}",
                     best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
                     p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)
@@ -261,27 +264,35 @@ def summary_table(df):
     return pd.DataFrame(lines)
 
 
+def _flag(row, name: str) -> bool:
+    v = row.get(name, False)
+    return bool(v) if v == v and v is not None else False  # (NaN in CSVs that predate the column)
+
+
 def best_fixed_choice(df):
-    """The (tiling, partition_size, fused_reduce) with the smallest geometric-mean slowdown
-    against the per-shape best over all benchmarked shapes: the one-entry device default.
-    Returns (choice dict, DataFrame of every candidate's geomean and worst slowdown)."""
+    """The (tiling, partition_size, fused_reduce, cluster_reduce) with the smallest
+    geometric-mean slowdown against the per-shape best over all benchmarked shapes: the
+    one-entry device default. Returns (choice dict, DataFrame of every candidate's geomean
+    and worst slowdown)."""
     import numpy as np
     import pandas as pd
 
     d = df[(df.tiling != "sdpa_cudnn") & df.time_us.notna()].copy()
-    if "fused_reduce" not in d:
-        d["fused_reduce"] = False
-    d["fused_reduce"] = d["fused_reduce"].fillna(False).astype(bool)
+    for col in ("fused_reduce", "cluster_reduce"):
+        if col not in d:
+            d[col] = False
+        d[col] = d[col].fillna(False).astype(bool)
     best = d.groupby(["num_seqs", "max_seq_len"]).time_us.transform("min")
     d["slowdown"] = d.time_us / best
-    # a shape with one partition has no fused row: the unfused row stands for both modes
+    # a shape where a combine mode has no row (one partition, or too many for a cluster) is
+    # stood for by the same variant's reduce-launch row
     rows = []
-    for (t, p, f), g in d.groupby(["tiling", "partition_size", "fused_reduce"]):
-        alt = d[(d.tiling == t) & (d.partition_size == p) & (~d.fused_reduce)]
+    for (t, p, f, c), g in d.groupby(["tiling", "partition_size", "fused_reduce", "cluster_reduce"]):
+        alt = d[(d.tiling == t) & (d.partition_size == p) & (~d.fused_reduce) & (~d.cluster_reduce)]
         g = pd.concat([g, alt[~alt.set_index(["num_seqs", "max_seq_len"]).index.isin(
-            g.set_index(["num_seqs", "max_seq_len"]).index)]]) if f else g
-        rows.append(dict(tiling=t, partition_size=int(p), fused_reduce=bool(f), shapes=len(g),
-                         geomean_slowdown=float(np.exp(np.log(g.slowdown).mean())),
+            g.set_index(["num_seqs", "max_seq_len"]).index)]]) if (f or c) else g
+        rows.append(dict(tiling=t, partition_size=int(p), fused_reduce=bool(f), cluster_reduce=bool(c),
+                         shapes=len(g), geomean_slowdown=float(np.exp(np.log(g.slowdown).mean())),
                          worst_slowdown=float(g.slowdown.max())))
     table = pd.DataFrame(rows).sort_values("geomean_slowdown").reset_index(drop=True)
     full = table[table.shapes == table.shapes.max()]

@@ -123,6 +123,8 @@ def bench(
     replays: int = typer.Option(30, help="graph replays per timing (median reported)."),
     sdpa: bool = typer.Option(True, help="time torch SDPA (cuDNN, contiguous K/V) in the same run."),
     fused: bool = typer.Option(True, help="also time each variant with the fused reduce."),
+    cluster: bool = typer.Option(True, help="also time each variant with the cluster combine (sm_90+, 2-16 "
+                                 "partitions)."),
     block_order: str = typer.Option("shuffled", help="physical block order of each sequence: 'shuffled' "
                                     "(random, as an allocator leaves it) or 'sequential' (what paging costs)."),
 ) -> None:
@@ -133,16 +135,16 @@ def bench(
 
     df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
                      partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, fused=fused,
-                     out_csv=out, block_order=block_order)
+                     cluster=cluster, out_csv=out, block_order=block_order)
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500):
-        cols = ["tiling", "partition_size", "fused_reduce", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
+        cols = ["tiling", "partition_size", "fused_reduce", "cluster_reduce", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
                 "reduce_time_us", "gbps", "frac_peak_bw", "verified"]
         full = df[[c for c in cols if c in df]].copy()
         print(full.round(3).to_string(index=False))
         print()
         print(B.summary_table(df).to_string(index=False))
         choice, table = B.best_fixed_choice(df)
-        print("\nbest single (tiling, partition, fused) over these shapes (geomean slowdown vs per-shape best):")
+        print("\nbest single (tiling, partition, combine) over these shapes (geomean slowdown vs per-shape best):")
         print(table.head(6).round(3).to_string(index=False))
     print(f"\nwrote {out}")
 

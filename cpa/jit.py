@@ -128,11 +128,13 @@ class BuiltKernel:
         L.cpa_tokens_per_step.restype = i32
         L.cpa_heads_cap.restype = i32
         L.cpa_attention.restype = i32
-        L.cpa_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, vp]
+        L.cpa_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, i32, vp]
         L.cpa_reduce.restype = i32
         L.cpa_reduce.argtypes = [vp] * 5 + [i32] * 3 + [vp]
         L.cpa_kernel_attributes.restype = i32
         L.cpa_kernel_attributes.argtypes = [i32, ctypes.POINTER(ctypes.c_int)]
+        L.cpa_max_active_clusters.restype = i32
+        L.cpa_max_active_clusters.argtypes = [i32]
         got = L.cpa_variant().decode()
         if got != self.variant.name:
             raise KernelError(f"library {self.path} holds variant {got!r}, expected {self.variant.name!r}")
@@ -145,6 +147,13 @@ class BuiltKernel:
 
             name = torch.cuda.get_device_name() if torch.cuda.is_available() else "?"
             raise KernelError(f"{what} launch of {self.variant.name} failed with runtime error {err} on {name}")
+
+    def max_active_clusters(self, cluster: int) -> int:
+        """Clusters of `cluster` attention workgroups the device holds at once (0: none fit)."""
+        n = self.lib.cpa_max_active_clusters(int(cluster))
+        if n < 0:
+            self.check(-n, f"max_active_clusters({cluster})")
+        return n
 
     def attributes(self) -> dict[str, dict[str, int]]:
         """Registers, shared memory, stack, and resident blocks per SM/CU of the three kernels."""

@@ -62,11 +62,16 @@ class Launch:
 
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-            return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False) -> Launch:
+            return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False,
+            cluster_reduce=None) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
     fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
-    itself instead of a second (reduce) launch; the intermediates are written either way."""
+    itself instead of a second (reduce) launch; the intermediates are written either way.
+    cluster_reduce: the partitions of each (sequence, KV head) run as one thread-block
+    cluster and combine through distributed shared memory (sm_90+, 2-16 partitions; no
+    intermediates are written). True requires it, False never, None picks
+    (cpa.variants.cluster_default)."""
     if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
         raise ValueError(f"query must be a GPU tensor for the CPA kernel (got "
                          f"{getattr(query, 'device', type(query).__name__)}); use cpa.reference on the CPU")
@@ -85,6 +90,11 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                          f"{variant.partition_size} tokens; the grid allows at most 65535")
     shape = dataclasses.replace(shape, partition_size=variant.partition_size, max_num_partitions=num_partitions)
     kernel = build(variant, query.device)
+    fused = bool(fused_reduce) and num_partitions > 1
+    if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
+        raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
+    cluster = _cluster_size(cluster_reduce, kernel, arch, shape, fused=fused,
+                            return_intermediates=return_intermediates)
 
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
     dev = query.device
@@ -92,7 +102,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
         out = torch.empty_like(query)
     exp_sums = torch.empty(S, H, num_partitions, dtype=torch.float32, device=dev)
     max_logits = torch.empty_like(exp_sums)
-    need_tmp = num_partitions > 1 or return_intermediates
+    need_tmp = (num_partitions > 1 and not cluster) or return_intermediates
     tmp_out = torch.empty(S, H, num_partitions, D, dtype=torch.float32, device=dev) if need_tmp else None
 
     fp8 = shape.kv_cache_dtype == "fp8"
@@ -101,9 +111,6 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     kv_elem = key_cache.element_size()
     kv_head_stride = D * shape.block_size * kv_elem
     kv_block_stride = shape.num_kv_heads * kv_head_stride
-    fused = bool(fused_reduce) and num_partitions > 1
-    if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
-        raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
     # per-Launch counters: zeroed once, reset by the kernel itself, so graph replays reuse them
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32, device=dev) if fused else None
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
@@ -111,20 +118,46 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                  ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(alibi_slopes),
                  S, H, shape.num_kv_heads, shape.max_blocks_per_seq, num_partitions,
                  kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1),
-                 ptr(counters))
+                 ptr(counters), cluster)
     reduce_args = None
-    if num_partitions > 1 and not fused:
+    if num_partitions > 1 and not fused and not cluster:
         reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)
     # keep the tensors the raw pointers point into alive for as long as the Launch
     launch = Launch(kernel, shape, out, exp_sums, max_logits, tmp_out, attn_args, reduce_args)
     launch._inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, counters)
     launch.fused_reduce = fused
+    launch.cluster = cluster
     return launch
+
+
+def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAttentionShape, *, fused: bool,
+                  return_intermediates: bool) -> int:
+    """The cluster size of the launch (0: no cluster combine); raises when cluster_reduce=True
+    cannot be honoured."""
+    if cluster_reduce is False:
+        return 0
+    np_ = shape.max_num_partitions
+    if cluster_reduce is None and (np_ < 2 or fused or return_intermediates or
+                                   not V.cluster_default(arch, np_, shape.num_seqs, shape.num_kv_heads)):
+        return 0
+    why = V.cluster_unsupported(arch, np_)
+    if why is None and fused:
+        why = "fused_reduce=True is the other in-kernel combine"
+    if why is None and return_intermediates:
+        why = "return_intermediates=True needs the partials in global memory, which the cluster combine never writes"
+    if why is None and kernel.max_active_clusters(np_) < 1:
+        why = f"the device cannot hold a cluster of {np_} workgroups of this variant"
+    if why is None:
+        return np_
+    if cluster_reduce is None:
+        return 0
+    raise ValueError(f"cluster_reduce=True: {why}")
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None,
                     tiling=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-                    return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False):
+                    return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False,
+                    cluster_reduce=None):
     """Paged attention decode with the CPA kernel (vLLM ROCm paged_attention contract).
 
     query [num_seqs, num_heads, head_size] fp16/bf16; key_cache [num_blocks, num_kv_heads,
@@ -139,7 +172,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     launch = prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size=partition_size,
                      tiling=tiling, alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, out=out, return_intermediates=return_intermediates, max_seq_len=max_seq_len,
-                     check_values=check_values, fused_reduce=fused_reduce)
+                     check_values=check_values, fused_reduce=fused_reduce, cluster_reduce=cluster_reduce)
     launch()
     if return_intermediates:
         return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
 
 TILINGS = ("mfma16", "mfma4", "scalar")
-PARTITION_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+PARTITION_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32)
 DTYPES = ("fp16", "bf16")
@@ -231,6 +231,33 @@ def all_variants(platform: str, *, tilings=TILINGS, partition_sizes=PARTITION_SI
                 yield Variant(t, p, h, b, d, kv, cap, platform)
             except ValueError:
                 continue
+
+
+# The cluster combine (cpa/csrc/attention.h cluster_combine): on sm_90+ a launch with 2 to
+# CLUSTER_MAX partitions per sequence may run each (sequence, KV head)'s partitions as one
+# thread-block cluster that combines its partials through distributed shared memory inside
+# the attention kernel -- no partials in global memory, no reduce launch. Above 8 (the
+# portable cluster size) the kernel opts in to non-portable sizes; whether the device can
+# hold such a cluster is asked at launch (BuiltKernel.max_active_clusters).
+CLUSTER_MAX = 16  # cluster_combine's MAXC
+CLUSTER_MIN_SM = 90
+
+
+def cluster_unsupported(arch: str, max_num_partitions: int) -> str | None:
+    """Why a launch cannot use the cluster combine (None: it can, device permitting)."""
+    if not arch.startswith("sm_") or int(arch[3:]) < CLUSTER_MIN_SM:
+        return f"thread-block clusters need sm_{CLUSTER_MIN_SM}+ (device arch {arch})"
+    if max_num_partitions < 2:
+        return "one partition per sequence: nothing to combine"
+    if max_num_partitions > CLUSTER_MAX:
+        return (f"{max_num_partitions} partitions per sequence; a cluster holds at most {CLUSTER_MAX} "
+                f"(use a larger partition_size)")
+    return None
+
+
+def cluster_default(arch: str, max_num_partitions: int, num_seqs: int, num_kv_heads: int) -> bool:
+    """Whether cluster_reduce=None picks the cluster combine for this launch."""
+    return False
 
 
 # ---------------------------------------------------------------- per-device defaults

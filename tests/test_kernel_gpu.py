@@ -38,10 +38,11 @@ def _cases():
                 dt = V.DTYPES[i % 2]
                 kv = V.KV_CACHE_DTYPES[(i // 2) % 2]
                 cases.append(dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv, **ax))
-    # the largest partition: two block-table entries per lane (CPA_BT_PREFETCH) at block 16
+    # the largest partitions: two and four block-table entries per lane (CPA_BT_PREFETCH) at block 16
     for i, ax in enumerate(AXES):
-        cases.append(dict(BASE, tiling="mfma16", partition_size=4096, dtype=V.DTYPES[i % 2],
-                          kv=V.KV_CACHE_DTYPES[(i // 2) % 2], **ax))
+        for p in (4096, 8192):
+            cases.append(dict(BASE, tiling="mfma16", partition_size=p, dtype=V.DTYPES[(i + p // 4096) % 2],
+                              kv=V.KV_CACHE_DTYPES[(i // 2) % 2], **ax))
     return cases
 
 
@@ -156,7 +157,7 @@ def test_default_variant_and_128k_context():
         assert reference.relative_error(out, ref) <= reference.REL_ERR_TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=8192), dict(partition_size=96),
+@pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=16384), dict(partition_size=96),
                                  dict(tiling="mfma32")])
 def test_unsupported_variant_refused_before_launch(bad):
     import cpa
@@ -246,3 +247,81 @@ def test_reduce_kernel_choice(c):
     ref = reference.paged_attention(**inp.as_kwargs())
     err = reference.relative_error(out, ref, per_seq=True)
     assert err <= reference.REL_ERR_TOL[inp.query.dtype], f"output relative error {err:.3g}"
+
+
+# The cluster combine (sm_90+): (partition size, partitions = cluster size) pairs that cover
+# the portable and non-portable sizes, odd sizes and 8192-token partitions; every tiling with
+# a 16-bit and an fp8 cache, then every other axis.
+CLUSTER_SIZES = [(64, 16), (256, 3), (512, 5), (1024, 8), (4096, 2), (8192, 4)]
+CLUSTER_CASES = [dict(BASE, tiling=t, partition_size=p, n=n, dtype=dt, kv=kv) for t in V.TILINGS
+                 for p, n in CLUSTER_SIZES for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
+CLUSTER_CASES += [dict(BASE, tiling=t, partition_size=256, n=11, dtype=V.DTYPES[i % 2],
+                       kv=V.KV_CACHE_DTYPES[(i // 2) % 2], **ax) for t in V.TILINGS for i, ax in enumerate(AXES)]
+
+
+def _cluster_or_skip():
+    from cpa.jit import device_arch
+
+    _, arch = device_arch()
+    why = V.cluster_unsupported(arch, 2)
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("c", CLUSTER_CASES, ids=[f"{case_id(c)}-n{c['n']}" for c in CLUSTER_CASES])
+def test_cluster_reduce(c):
+    """Each (sequence, KV head)'s partitions as one cluster, combined through distributed
+    shared memory: sequences of every partition count 1 .. n in one batch (so clusters hold
+    empty workgroups), partial last partitions; repeated launches give the same output and
+    nothing is left unwritten."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.jit import device_arch
+    from cpa.inputs import make_paged_inputs
+
+    _cluster_or_skip()
+    platform, _ = device_arch()
+    _variant_or_skip(c, platform)
+    P, n = c["partition_size"], c["n"]
+    g = torch.Generator().manual_seed(P * 100 + n)
+    lens = [n * P, 1, 17, P - 1, P, P + 1, (n - 1) * P + 1, n * P - 3] + torch.randint(1, n * P + 1, (4,), generator=g).tolist()
+    lens = [min(max(x, 1), n * P) for x in lens]
+    num_kv_heads = 2
+    inp = make_paged_inputs(len(lens), c["gqa"] * num_kv_heads, num_kv_heads, c["head_size"], c["block_size"], lens,
+                            dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"], device="cuda", seed=P + n,
+                            alibi=c["alibi"])
+    ref = reference.paged_attention(**inp.as_kwargs())
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling=c["tiling"], out=out, cluster_reduce=True)
+    assert launch.cluster == n and launch.reduce_args is None and launch.tmp_out is None
+    tol = reference.REL_ERR_TOL[inp.query.dtype]
+    first = None
+    for _ in range(3):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= tol, f"cluster output relative error {err:.3g} > {tol:g}"
+        if first is None:
+            first = out.clone()
+        else:
+            assert torch.equal(out, first), "repeated launches differ"
+
+
+def test_cluster_reduce_refusals():
+    """cluster_reduce=True that cannot be honoured raises before any launch; None falls back."""
+    import cpa.ops as ops
+    from cpa.inputs import make_paged_inputs
+
+    _cluster_or_skip()
+    inp = make_paged_inputs(2, 16, 2, 128, 16, [17 * 64, 300], dtype=torch.float16, device="cuda", seed=9)
+    with pytest.raises(ValueError, match="at most 16"):
+        ops.prepare(**inp.as_kwargs(), partition_size=64, tiling="mfma16", cluster_reduce=True)
+    with pytest.raises(ValueError, match="return_intermediates"):
+        ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", cluster_reduce=True,
+                    return_intermediates=True)
+    with pytest.raises(ValueError, match="fused_reduce"):
+        ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", cluster_reduce=True, fused_reduce=True)
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=64, tiling="mfma16")  # 17 partitions: the reduce
+    assert launch.cluster == 0 and launch.reduce_args is not None

@@ -16,7 +16,7 @@ def test_names_unique_and_round_trip():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("partition_size", 32, "partition_size"), ("partition_size", 8192, "partition_size"),
+    ("partition_size", 32, "partition_size"), ("partition_size", 16384, "partition_size"),
     ("partition_size", 96, "partition_size"), ("tiling", "mfma32", "tiling"), ("head_size", 80, "head_size"),
     ("block_size", 8, "block_size"), ("dtype", "fp32", "dtype"), ("kv_cache_dtype", "int8", "kv_cache_dtype"),
     ("heads_cap", 3, "heads_cap"), ("platform", "metal", "platform"),

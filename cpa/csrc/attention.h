@@ -54,6 +54,8 @@ struct AttnParams {
   int out_direct;           // 1: a single partition covers each sequence, write `out`
   int* counters;            // [num_seqs * num_kv_heads] zeros, or null: fused reduce when set
   int num_kv_heads;
+  int cluster;              // > 1: the launch's clusters are the max_num_partitions (= cluster)
+                            // partitions of one (sequence, KV head); they combine in the kernel
 };
 
 struct ReduceParams {
@@ -134,33 +136,37 @@ struct AttnConfig {
 #endif
 #endif
 
+// Block-table entries one lane holds at most (4: a wave's 128 blocks, the partition of 8192
+// tokens at block 16 with 32-token steps); longer waves read the table per step.
+constexpr int kMaxEntries = 4;
+
 // (<type_traits> is not available to the device-only HIP compiles: -nogpulib)
 template <bool C, class A, class B> struct Pick { using type = A; };
 template <class A, class B> struct Pick<false, A, B> { using type = B; };
 template <class A, class B> struct Same { static constexpr bool value = false; };
 template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
-// The paged cache, with the physical blocks of the wave's steps held one per lane (entry;
-// HI: a second one, entry_hi, for the wave's blocks kWave .. 2 kWave - 1): block_offset(token)
-// of the step at tok0 is a shuffle from the lane of that block.
-template <class Cache, int BLOCK, int NBLK, bool HI>
+// The paged cache, with the physical blocks of the wave's steps held one per lane: entry[i] of
+// lane l is the wave's block i kWave + l (NE sets; entry[0] is the current one):
+// block_offset(token) of the step at tok0 is a shuffle from the lane of that block.
+template <class Cache, int BLOCK, int NBLK, int NE>
 struct TabledKV : Cache {
-  int entry;     // lane l: physical block of the wave's block l (then kWave + l, once advanced)
-  int entry_hi;  // lane l: physical block of the wave's block kWave + l (HI only)
-  int j0;        // the wave's block index of the current step's first block, within entry
-  int tok0;      // the current step's first token
+  int entry[NE];
+  int j0;    // the wave's block index of the current step's first block, within entry[0]
+  int tok0;  // the current step's first token
   CPA_DEVICE void advance(int tok) {
     j0 += NBLK;
-    if constexpr (HI) {
+    if constexpr (NE > 1) {
       if (j0 == kWave) {  // NBLK divides kWave: the step's blocks are all in the next set
-        entry = entry_hi;
+#pragma unroll
+        for (int i = 0; i + 1 < NE; ++i) entry[i] = entry[i + 1];
         j0 = 0;
       }
     }
     tok0 = tok;
   }
   CPA_DEVICE int64_t block_offset(int token) const {
-    return (int64_t)shfl_idx_i32(entry, j0 + (token - tok0) / BLOCK) * this->block_stride;
+    return (int64_t)shfl_idx_i32(entry[0], j0 + (token - tok0) / BLOCK) * this->block_stride;
   }
 };
 
@@ -179,9 +185,9 @@ struct KVSteps {
   static constexpr int WAVE_BLOCKS = (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK;
   static constexpr bool kTabled = CPA_BT_PREFETCH && !Same<typename Cfg::Tiling, TilingScalar>::value &&
                                   !Cfg::fp8 && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
-                                  WAVE_BLOCKS <= 2 * kWave && kWave % NBLK == 0;
-  static constexpr bool kHi = WAVE_BLOCKS > kWave;
-  using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK, kHi>, Cache>::type;
+                                  WAVE_BLOCKS <= kMaxEntries * kWave && kWave % NBLK == 0;
+  static constexpr int NE = (WAVE_BLOCKS + kWave - 1) / kWave;  // entries per lane
+  using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK, NE>, Cache>::type;
   Src c;
 
   // The block-table entries of the wave's blocks (lane l: block l, then kWave + l), read before
@@ -189,17 +195,16 @@ struct KVSteps {
   // following it -- clamped to the table row only: entries past the sequence may be garbage
   // until the constructor replaces them.
   struct Table {
-    int raw = 0, raw_hi = 0;
+    int raw[kTabled ? NE : 1] = {};
   };
   CPA_DEVICE static int block_index(int first, int l) { return (first + l / NBLK * STRIDE + l % NBLK * BLOCK) / BLOCK; }
   CPA_DEVICE static Table read_table(const int* row, int max_blocks, int first) {
     Table t;
     if constexpr (kTabled) {
-      const int b = block_index(first, lane_id());
-      t.raw = load_i32_early(row + (b < max_blocks ? b : max_blocks - 1));
-      if constexpr (kHi) {
-        const int bh = block_index(first, kWave + lane_id());
-        t.raw_hi = load_i32_early(row + (bh < max_blocks ? bh : max_blocks - 1));
+#pragma unroll
+      for (int e = 0; e < NE; ++e) {
+        const int b = block_index(first, e * kWave + lane_id());
+        t.raw[e] = load_i32_early(row + (b < max_blocks ? b : max_blocks - 1));
       }
     }
     return t;
@@ -216,9 +221,9 @@ struct KVSteps {
 
   CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int, const Table& t) {
     if constexpr (kTabled) {
-      c = Src{cache, 0, 0, -NBLK, first};  // load() advances j0 before the first step
-      c.entry = fix_tail(t.raw, first, 0, cache.num_seq_blocks);
-      if constexpr (kHi) c.entry_hi = fix_tail(t.raw_hi, first, kWave, cache.num_seq_blocks);
+      c = Src{cache, {}, -NBLK, first};  // load() advances j0 before the first step
+#pragma unroll
+      for (int e = 0; e < NE; ++e) c.entry[e] = fix_tail(t.raw[e], first, e * kWave, cache.num_seq_blocks);
     } else {
       c = cache;
     }
@@ -409,6 +414,72 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
   }
 }
 
+// Cluster combine (sm_90, p.cluster > 1): the workgroups of one (sequence, KV head) are one
+// thread-block cluster, one per partition. Each leaves its partition's (max, sum, unnormalized
+// output) in its own shared memory; after a cluster barrier, workgroup r computes its share of
+// the final rows from every workgroup's copy (distributed shared memory loads: no global
+// partials, no device fence, no second launch); a second barrier keeps every copy alive
+// until all are read. `slot` layout: O [CAPH][HEAD], then max and sum [CAPH] (log2 units).
+// One float4 of output per group of G lanes, each lane reading up to MAXR of the n copies
+// (few registers: this epilogue must not raise the kernel's count), merged by shuffles; at
+// GQA 8, head 128 every lane's loads are one round trip for any n.
+template <class Cfg>
+CPA_DEVICE void cluster_combine(const AttnParams& p, int64_t row0, const float* slot) {
+  using T = typename Cfg::Dtype;
+  constexpr int HEAD = Cfg::head_size, C4 = HEAD / 4, CAPH = Cfg::Tiles::HEADS_CAP, MAXR = 4;
+  cluster_sync();
+  const int n = p.cluster, r = cluster_rank();
+  const int G = n <= MAXR ? 1 : n <= 2 * MAXR ? 2 : 4;  // lanes per output (n <= 16)
+  const int total = p.gqa * C4, per_wg = (total + n - 1) / n;
+  const int lo = r * per_wg, hi = lo + per_wg < total ? lo + per_wg : total;
+  const int sub = lane_id() % G, step = Cfg::THREADS / G;
+  for (int base = lo; base < lo + per_wg; base += step) {  // the same trip count in every lane
+    const int idx = base + thread_idx() / G;
+    const bool valid = idx < hi;
+    const int h = valid ? idx / C4 : 0, c = valid ? idx % C4 : 0;
+    float mj[MAXR], lj[MAXR];
+    u32x4 oj[MAXR];
+#pragma unroll
+    for (int k = 0; k < MAXR; ++k) {
+      if (valid && sub + k * G < n) {  // every load first: one round trip
+        mj[k] = ld_cluster_f32(slot + CAPH * HEAD + h, sub + k * G);
+        lj[k] = ld_cluster_f32(slot + CAPH * HEAD + CAPH + h, sub + k * G);
+        oj[k] = ld_cluster16(slot + h * HEAD + 4 * c, sub + k * G);
+      }
+    }
+    // (-1e30, not -inf: a lane with no copies merges as weight 0 without inf - inf)
+    float mx = -1e30f;
+#pragma unroll
+    for (int k = 0; k < MAXR; ++k)
+      if (valid && sub + k * G < n) mx = fmaxf_(mx, mj[k]);
+    float den = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAXR; ++k) {
+      if (valid && sub + k * G < n) {  // an empty partition has l = 0 and o = 0
+        const float w = exp2f_fast(mj[k] - mx);
+        den += w * lj[k];
+        a0 += w * __uint_as_float(oj[k].x); a1 += w * __uint_as_float(oj[k].y);
+        a2 += w * __uint_as_float(oj[k].z); a3 += w * __uint_as_float(oj[k].w);
+      }
+    }
+    for (int off = 1; off < G; off <<= 1) {  // merge the G lanes' partial sums
+      const float mo = shfl_xor(mx, off), mn = fmaxf_(mx, mo);
+      const float sa = exp2f_fast(mx - mn), sb = exp2f_fast(mo - mn);
+      den = den * sa + shfl_xor(den, off) * sb;
+      a0 = a0 * sa + shfl_xor(a0, off) * sb; a1 = a1 * sa + shfl_xor(a1, off) * sb;
+      a2 = a2 * sa + shfl_xor(a2, off) * sb; a3 = a3 * sa + shfl_xor(a3, off) * sb;
+      mx = mn;
+    }
+    if (valid && sub == 0) {
+      const float inv = p.out_scale / den;
+      uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
+      o[0] = T::pack(a0 * inv, a1 * inv);
+      o[1] = T::pack(a2 * inv, a3 * inv);
+    }
+  }
+  cluster_sync();
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
   using Tl = typename Cfg::Tiles;
@@ -429,7 +500,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   const int first = start + wave_id() * Tl::TOKENS;  // the wave's first step
   const auto table = KVSteps<Cfg>::read_table(p.block_tables + (int64_t)seq * p.max_blocks_per_seq,
                                               p.max_blocks_per_seq, first);
-  if (start >= seq_len) return;  // whole workgroup: no barrier is skipped by part of it
+  const int head0 = kvh * p.gqa;
+  if (start >= seq_len) {  // whole workgroup: no barrier is skipped by part of it
+    if (CPA_CLUSTER_CODE && p.cluster > 1) {  // still one of its cluster's partitions: empty
+      constexpr int CAPH = Tl::HEADS_CAP, SLOT = CAPH * HEAD + 2 * CAPH;
+      for (int i = thread_idx(); i < SLOT; i += Cfg::THREADS) smem[i] = i < CAPH * HEAD + CAPH && i >= CAPH * HEAD ? -1e30f : 0.f;
+      cluster_combine<Cfg>(p, (int64_t)seq * p.num_heads + head0, smem);
+    }
+    return;
+  }
   const int end = start + PARTITION < seq_len ? start + PARTITION : seq_len;
 
   PagedKV<HEAD, BLOCK, Cfg::fp8> cache{p.key_cache + kvh * p.kv_head_stride,
@@ -438,7 +517,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
                                        p.block_tables + (int64_t)seq * p.max_blocks_per_seq,
                                        (seq_len + BLOCK - 1) / BLOCK,
                                        seq_len};
-  const int head0 = kvh * p.gqa;
   typename Tl::Q q;
   Tl::load_q(q, p.query + ((int64_t)seq * p.num_heads + head0) * HEAD, p.gqa, smem);
 
@@ -544,6 +622,28 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     barrier();
   }
   const int64_t row0 = (int64_t)seq * p.num_heads + head0;
+  if (CPA_CLUSTER_CODE && p.cluster > 1) {
+    // wave 0 holds the partition's result; slot 0 is free after the last pairwise round
+    if (wave_id() == 0) {
+      if (Tl::writer()) {
+#pragma unroll
+        for (int e = 0; e < NO; ++e) {
+          int h, d;
+          Tl::o_coord(e, h, d);
+          smem[h * HEAD + d] = o[e];
+        }
+      }
+      if (Tl::lh_writer()) {
+#pragma unroll
+        for (int lh = 0; lh < LH; ++lh) {
+          smem[CAPH * HEAD + Tl::lhead(lh)] = m[lh];
+          smem[CAPH * HEAD + CAPH + Tl::lhead(lh)] = l[lh];
+        }
+      }
+    }
+    cluster_combine<Cfg>(p, row0, smem);  // (its first cluster barrier orders the writes above)
+    return;
+  }
   if (wave_id() == 0) {
     if (Tl::lh_writer()) {
 #pragma unroll

@@ -55,13 +55,84 @@ int launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, const Para
   return (int)CPA_RT(GetLastError)();
 }
 
+// Clusters of more than 8 workgroups (the portable size) need the kernel's opt-in.
+template <class Cfg>
+int allow_large_clusters() {
+#if CPA_CUDA
+  return (int)cudaFuncSetAttribute((const void*)paged_attention_kernel<Cfg>,
+                                   cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+#else
+  return 0;
+#endif
+}
+
+// The attention kernel with clusters of `cluster` partitions (sm_90: the cluster combine),
+// as a programmatic dependent when CPA_PDL_ATTENTION.
+template <class Cfg>
+int launch_clustered(const AttnParams& p, dim3 grid, void* stream) {
+#if CPA_CUDA
+  static const int opt_in = allow_large_clusters<Cfg>();
+  if (opt_in) return opt_in;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = p.cluster;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(Cfg::THREADS);
+  cfg.dynamicSmemBytes = dynamic_smem_bytes<Cfg>();
+  cfg.stream = (cudaStream_t)stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = (CPA_PDL && CPA_PDL_ATTENTION) ? 2 : 1;
+  return (int)cudaLaunchKernelEx(&cfg, paged_attention_kernel<Cfg>, p);
+#else
+  return (int)CPA_RT(ErrorNotSupported);
+#endif
+}
+
 template <class Cfg>
 int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
   const dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
   static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
   if (opt_in) return opt_in;
+  if (p.cluster > 1) return launch_clustered<Cfg>(p, grid, stream);
   return launch_dependent(paged_attention_kernel<Cfg>, grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), p, stream,
                           CPA_PDL_ATTENTION != 0);
+}
+
+// How many clusters of `cluster` attention workgroups the device can hold at once (0: such a
+// cluster cannot be launched at all), or minus a runtime error. HIP: 0 (no clusters).
+template <class Cfg>
+int max_active_clusters(int cluster) {
+#if CPA_CUDA
+  int err = allow_dynamic_smem<Cfg>();
+  if (!err) err = allow_large_clusters<Cfg>();
+  if (err) return -err;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = cluster;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, cluster, 1);
+  cfg.blockDim = dim3(Cfg::THREADS);
+  cfg.dynamicSmemBytes = dynamic_smem_bytes<Cfg>();
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  err = (int)cudaOccupancyMaxActiveClusters(&n, (const void*)paged_attention_kernel<Cfg>, &cfg);
+  if (err) {
+    cudaGetLastError();  // (clear it: a refused size is an answer, not a sticky error)
+    return -err;
+  }
+  return n;
+#else
+  (void)cluster;
+  return 0;
+#endif
 }
 
 template <class Cfg>
@@ -124,13 +195,13 @@ int kernel_attributes(int which, int* out) {
                                int num_seqs, int num_heads, int num_kv_heads,                      \
                                int max_blocks_per_seq, int max_num_partitions,                     \
                                long long kv_block_stride, long long kv_head_stride,               \
-                               float scale_log2, float out_scale, int out_direct, int* counters,        \
-                               void* stream) {                                                      \
+                               float scale_log2, float out_scale, int out_direct, int* counters,   \
+                               int cluster, void* stream) {                                        \
     cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, counters, num_kv_heads};                                                                \
+                      out_direct, counters, num_kv_heads, cluster};                               \
     return cpa::launch_attention<CpaCfg>(p, num_seqs, num_kv_heads, stream);                      \
   }                                                                                                \
   extern "C" int cpa_reduce(void* out, const float* exp_sums, const float* max_logits,             \
@@ -142,4 +213,7 @@ int kernel_attributes(int which, int* out) {
   }                                                                                                \
   extern "C" int cpa_kernel_attributes(int which, int* out) {                                      \
     return cpa::kernel_attributes<CpaCfg>(which, out);                                             \
+  }                                                                                                \
+  extern "C" int cpa_max_active_clusters(int cluster) {                                            \
+    return cpa::max_active_clusters<CpaCfg>(cluster);                                              \
   }

@@ -229,6 +229,55 @@ CPA_DEVICE void wait_prior_grid() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// Thread-block clusters (sm_90+): the partitions of one (sequence, KV head), launched as one
+// cluster, combine their partial results through distributed shared memory instead of a
+// second kernel. Only reached when the launch set a cluster (the host checks the device);
+// elsewhere these compile to nothing.
+#if CPA_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CPA_CLUSTER_CODE 1
+#else
+#define CPA_CLUSTER_CODE 0
+#endif
+// Every thread of every workgroup of the cluster: release this workgroup's shared-memory
+// writes, acquire the others'.
+CPA_DEVICE void cluster_sync() {
+#if CPA_CLUSTER_CODE
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+CPA_DEVICE int cluster_rank() {
+#if CPA_CLUSTER_CODE
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return (int)r;
+#else
+  return 0;
+#endif
+}
+// The word at `p` (this workgroup's shared memory) in workgroup `rank` of the cluster.
+CPA_DEVICE float ld_cluster_f32(const float* p, int rank) {
+#if CPA_CLUSTER_CODE
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+  float x;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(r) : "memory");
+  return x;
+#else
+  return *p;
+#endif
+}
+CPA_DEVICE u32x4 ld_cluster16(const float* p, int rank) {
+#if CPA_CLUSTER_CODE
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
+  u32x4 v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(r) : "memory");
+  return v;
+#else
+  return lds16(p);
+#endif
+}
 #if CPA_CUDA
 CPA_DEVICE void cp_async16(void* smem, const void* g) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
