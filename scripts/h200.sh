@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, racecheck-async,
-# ab-reduce, bench, sweep:<grid>, repeat, profile.
+# ab-reduce, clusters, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -200,6 +200,20 @@ PYEOF
           --no-progress --out "$OUT/sweeps/repeat-$i.parquet" > "$OUT/sweeps/repeat-$i.log" 2>&1; echo "repeat $i rc=$?"
       done
       $PY -m cpa sweep-spread "$OUT/sweeps/repeat-1.parquet" "$OUT/sweeps/repeat-2.parquet" 2>&1 | tail -25
+      ;;
+    clusters)
+      # how many clusters of n attention workgroups the device holds at once (the runtime's answer)
+      $PY - <<'PYEOF'
+import torch
+from cpa import variants as V
+from cpa.jit import build
+print("variant", "blocks/SM", " ".join(f"n={n}" for n in range(2, 17)))
+for p in (256, 512, 1024, 2048, 4096):
+    v = V.variant_for(tiling="mfma16", partition_size=p, head_size=128, block_size=16, dtype="fp16",
+                      kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
+    k = build(v)
+    print(v.name, k.attributes()["attention"]["blocks_per_sm"], " ".join(str(k.max_active_clusters(n)) for n in range(2, 17)))
+PYEOF
       ;;
     bench)
       CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-}" \
