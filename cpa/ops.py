@@ -94,7 +94,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
     cluster = _cluster_size(cluster_reduce, kernel, arch, shape, fused=fused,
-                            return_intermediates=return_intermediates)
+                            return_intermediates=return_intermediates, query_device=query.device)
 
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
     dev = query.device
@@ -130,15 +130,20 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     return launch
 
 
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAttentionShape, *, fused: bool,
-                  return_intermediates: bool) -> int:
+                  return_intermediates: bool, query_device) -> int:
     """The cluster size of the launch (0: no cluster combine); raises when cluster_reduce=True
     cannot be honoured."""
     if cluster_reduce is False:
         return 0
     np_ = shape.max_num_partitions
     if cluster_reduce is None and (np_ < 2 or fused or return_intermediates or
-                                   not V.cluster_default(arch, np_, shape.num_seqs, shape.num_kv_heads)):
+                                   not V.cluster_default(arch, np_, shape.num_seqs, shape.num_kv_heads,
+                                                         _num_sms(query_device))):
         return 0
     why = V.cluster_unsupported(arch, np_)
     if why is None and fused:

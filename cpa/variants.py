@@ -255,9 +255,21 @@ def cluster_unsupported(arch: str, max_num_partitions: int) -> str | None:
     return None
 
 
-def cluster_default(arch: str, max_num_partitions: int, num_seqs: int, num_kv_heads: int) -> bool:
-    """Whether cluster_reduce=None picks the cluster combine for this launch."""
-    return False
+# Measured (H200, commit 8ab7b8b, data/bench/experiments/h200-cluster-8ab7b8b.csv; h200-cluster-p8192-9c21a43.csv): the
+# runtime holds 132 clusters of 2, 62 of 4, 30 of 8, 14 of 16 (2 workgroups per SM), and
+# places a cluster's workgroups together in one GPC, so where a grid of at most one
+# workgroup per SM would spread over every SM, its clusters fill about half of them. The
+# combine then saves the reduce launch (5-15% at 16-64 workgroups: 1 x 512 .. 1 x 8k,
+# 4 x 512, 4 x 2k) but costs bandwidth from 128 workgroups up (up to 1.33x slower at 256).
+CLUSTER_AUTO_SM_FRACTION = 0.5
+
+
+def cluster_default(arch: str, max_num_partitions: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether cluster_reduce=None picks the cluster combine for this launch: where it can, and
+    the grid's workgroups are at most half the SMs (every measured such launch was faster)."""
+    if cluster_unsupported(arch, max_num_partitions):
+        return False
+    return num_seqs * num_kv_heads * max_num_partitions <= CLUSTER_AUTO_SM_FRACTION * num_sms
 
 
 # ---------------------------------------------------------------- per-device defaults

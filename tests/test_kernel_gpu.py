@@ -325,3 +325,24 @@ def test_cluster_reduce_refusals():
         ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", cluster_reduce=True, fused_reduce=True)
     launch = ops.prepare(**inp.as_kwargs(), partition_size=64, tiling="mfma16")  # 17 partitions: the reduce
     assert launch.cluster == 0 and launch.reduce_args is not None
+
+
+def test_cluster_reduce_auto():
+    """cluster_reduce=None takes the cluster combine exactly where cpa.variants.cluster_default
+    says (grids of at most half the SMs), and the output is right either way."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    _cluster_or_skip()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for num_seqs, P, want in ((1, 512, True), (8, 512, False)):
+        inp = make_paged_inputs(num_seqs, 64, 8, 128, 16, [2048] * num_seqs, dtype=torch.float16, device="cuda",
+                                seed=num_seqs)
+        launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling="mfma16")
+        n = 2048 // P
+        assert want == (num_seqs * 8 * n <= sms // 2)
+        assert (launch.cluster == n) == want and (launch.reduce_args is None) == want
+        out = launch()
+        ref = reference.paged_attention(**inp.as_kwargs())
+        assert reference.relative_error(out, ref, per_seq=True) <= reference.REL_ERR_TOL[torch.float16]

@@ -78,3 +78,16 @@ def test_dtype_and_kv_names():
     assert V.kv_name("fp8_e4m3") == "fp8"
     with pytest.raises(ValueError):
         V.kv_name("fp8_e5m2")
+
+
+def test_cluster_rules():
+    assert V.cluster_unsupported("sm_90", 2) is None and V.cluster_unsupported("sm_90", 16) is None
+    assert "at most 16" in V.cluster_unsupported("sm_90", 17)
+    assert "nothing to combine" in V.cluster_unsupported("sm_90", 1)
+    assert "sm_90" in V.cluster_unsupported("sm_80", 4) and "sm_90" in V.cluster_unsupported("gfx942", 4)
+    # H200 (132 SMs): the measured rule, grids of at most half the SMs
+    assert V.cluster_default("sm_90", 4, 1, 8, 132)  # 32 workgroups
+    assert V.cluster_default("sm_90", 8, 1, 8, 132)  # 64
+    assert not V.cluster_default("sm_90", 16, 1, 8, 132)  # 128
+    assert not V.cluster_default("sm_90", 17, 1, 1, 132)  # too many partitions for a cluster
+    assert not V.cluster_default("gfx942", 4, 1, 8, 304)  # no clusters on AMD
