@@ -235,7 +235,7 @@ def test_reduce_kernel_choice(c):
     inp = make_paged_inputs(num_seqs, num_heads, num_kv_heads, head, 16, lens, dtype=TORCH_DTYPE[dt],
                             kv_cache_dtype=kv, device="cuda", seed=n)
     out = torch.full_like(inp.query, float("nan"))
-    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling="mfma16", out=out)
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling="mfma16", out=out, cluster_reduce=False)
     assert launch.num_partitions == n
     want = V.reduce_kernel(n, num_seqs, num_heads)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
