@@ -281,9 +281,10 @@ DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "sm_90": [(16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
-                                  "(data/bench/h200-kernel.csv, commit 1805a59; 16 Llama-70B decode shapes, "
-                                  "partitions 64-4096: 1.129x the per-shape best, geometric mean; mfma4/512 "
-                                  "1.135x, mfma16/256 1.143x, mfma16/1024 1.148x) and tied "
+                                  "(data/bench/h200-kernel.csv, commit 90fd147; 16 Llama-70B decode shapes, "
+                                  "partitions 64-8192, reduce launch / fused / cluster combine: 1.153x the "
+                                  "per-shape best, geometric mean; mfma4/512 1.156x, mfma16/1024 with the cluster "
+                                  "combine 1.163x, mfma16/1024 1.169x) and tied "
                                   "with the best of cpa sweep llama70b-decode (data/sweeps/h200-llama70b-decode"
                                   ".parquet, commit b59554a; 56 shapes: 1.069x, mfma16/1024 1.068x) while its "
                                   "worst shape is 1.60x against 2.18x; cpa.bench.best_fixed_choice")],
