@@ -203,3 +203,17 @@ def test_sm90_default_loads_whole_key_lines_and_reads_the_block_table_once(tmp_p
         assert ("shfl.sync.idx" in d) == tabled and "shfl.sync.idx" not in o, v.name
         assert "mma.sync.aligned" in d and "mma.sync.aligned" in o
         assert res[v.name]["spill_stores"] == 0 and res0[v.name]["spill_stores"] == 0, v.name
+
+
+def test_sm90_cluster_combine_in_every_attention_kernel(tmp_path):
+    """The cluster combine (cpa/csrc/attention.h cluster_combine) is in the sm_90 attention
+    kernel of every tiling: cluster barriers and distributed shared-memory loads in its PTX;
+    the reduce kernels have none."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    _, ptx = _sm90_attention(tmp_path, _STAGED)
+    for name, text in ptx.items():
+        assert "barrier.cluster.arrive" in text and "barrier.cluster.wait" in text, name
+        assert "mapa.shared::cluster" in text and "ld.shared::cluster" in text, name
+    tu = (tmp_path / "tu.ptx").read_text()
+    assert tu.count("barrier.cluster.arrive") == 2 * len(_STAGED), "cluster barriers outside the attention kernels"
