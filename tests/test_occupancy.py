@@ -69,11 +69,14 @@ def test_tables_complete(arch):
     got = set(df.variant)
     assert got == names, f"{len(names - got)} documented variants missing, {len(got - names)} extra"
     assert len(df) == len(KERNELS) * len(got) and set(df.kernel) == KERNELS
-    # one snapshot of cpa/csrc per table -- per partition size for gfx90a, whose partitions
-    # 2048 / 4096 and 8192 were compiled later than the rest (data/static/README.md)
-    if arch == "gfx90a":
+    # one snapshot of cpa/csrc per table -- per partition size for the AMD tables, whose
+    # partition 8192 (gfx90a: also 2048 / 4096) was compiled later than the rest
+    # (data/static/README.md; CI's recompiled subset checks the older rows still match)
+    if arch.startswith("gfx"):
         assert (df.groupby("partition_size").sources_digest.nunique() == 1).all()
-        assert df[df.partition_size.isin([2048, 4096])].sources_digest.nunique() == 1
+        later = [2048, 4096] if arch == "gfx90a" else []
+        assert df[~df.partition_size.isin(later + [8192])].sources_digest.nunique() == 1
+        assert df[df.partition_size.isin(later)].sources_digest.nunique() <= 1
     else:
         assert df.sources_digest.nunique() == 1
     if arch.startswith("gfx"):
@@ -278,7 +281,7 @@ def test_grid_single_partition_has_no_reduce():
 
 @pytest.mark.parametrize("arch,cap", [("gfx942", 16), ("gfx90a", 16), ("sm_90", 8)])
 def test_grid_llama70b_from_shipped_tables(arch, cap):
-    """Partition sizes 64..1024 with the compiled resources of the mfma16 variants."""
+    """Every partition size with the compiled resources of the mfma16 variants."""
     df = _table(arch)
     spec = hw.spec_for(arch)
     prev = None
@@ -290,7 +293,8 @@ def test_grid_llama70b_from_shipped_tables(arch, cap):
         assert g.full_waves * g.slots + g.tail_workgroups == g.workgroups
         assert g.waves == g.full_waves + (g.tail_workgroups > 0)
         assert 0 < g.wave_efficiency <= 1
-        assert g.reduce_workgroups == 8 * 64 and g.reduce_resident_per_cu >= 1
+        kernel = V.reduce_kernel(g.partitions, 8, 64)  # 4 partitions (P 8192): the few-partitions kernel
+        assert g.reduce_workgroups == V.reduce_workgroups(kernel, 8, 64, 128) and g.reduce_resident_per_cu >= 1
         assert g.partials_bytes == 2 * 8 * 64 * g.partitions * 130 * 4
         if prev is not None:
             assert g.partials_bytes * 2 == prev.partials_bytes
