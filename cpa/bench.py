@@ -250,8 +250,7 @@ def summary_table(df):
         best = cpa_rows.loc[cpa_rows.time_us.idxmin()]
         p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
         p256 = p256.sort_values("time_us")
-        fz = "+fused" if bool(best.get("fused_reduce", False)) else ""
-        fz += "+cluster" if _flag(best, "cluster_reduce") else ""
+        fz = "+fused" * _flag(best, "fused_reduce") + "+cluster" * _flag(best, "cluster_reduce")
         line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}{fz}",
                     best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
                     p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)

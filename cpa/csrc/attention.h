@@ -414,6 +414,29 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
   }
 }
 
+// A wave's partition result into a combine slot (in (head, dim) coordinates): O [CAPH][HEAD],
+// then max and sum [CAPH] -- the layout the pairwise wave combine and cluster_combine read.
+template <class Cfg>
+CPA_DEVICE void store_slot(float* so, const float* o, const float* m, const float* l) {
+  using Tl = typename Cfg::Tiles;
+  constexpr int HEAD = Cfg::head_size, CAPH = Tl::HEADS_CAP;
+  if (Tl::writer()) {
+#pragma unroll
+    for (int e = 0; e < Tl::NO; ++e) {
+      int h, d;
+      Tl::o_coord(e, h, d);
+      so[h * HEAD + d] = o[e];
+    }
+  }
+  if (Tl::lh_writer()) {
+#pragma unroll
+    for (int lh = 0; lh < Tl::LH; ++lh) {
+      so[CAPH * HEAD + Tl::lhead(lh)] = m[lh];
+      so[CAPH * HEAD + CAPH + Tl::lhead(lh)] = l[lh];
+    }
+  }
+}
+
 // Cluster combine (sm_90, p.cluster > 1): the workgroups of one (sequence, KV head) are one
 // thread-block cluster, one per partition. Each leaves its partition's (max, sum, unnormalized
 // output) in its own shared memory; after a cluster barrier, workgroup r computes its share of
@@ -581,24 +604,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   barrier();  // the tiling's own shared memory is free from here on
   for (int half = Cfg::NUM_WAVES / 2; half >= 1; half >>= 1) {
     const int w = wave_id();
-    if (w >= half && w < 2 * half) {
-      float* so = smem + (w - half) * Cfg::SLOT;
-      if (Tl::writer()) {
-#pragma unroll
-        for (int e = 0; e < NO; ++e) {
-          int h, d;
-          Tl::o_coord(e, h, d);
-          so[h * HEAD + d] = o[e];
-        }
-      }
-      if (Tl::lh_writer()) {
-#pragma unroll
-        for (int lh = 0; lh < LH; ++lh) {
-          so[CAPH * HEAD + Tl::lhead(lh)] = m[lh];
-          so[CAPH * HEAD + CAPH + Tl::lhead(lh)] = l[lh];
-        }
-      }
-    }
+    if (w >= half && w < 2 * half) store_slot<Cfg>(smem + (w - half) * Cfg::SLOT, o, m, l);
     barrier();
     if (w < half) {
       const float* so = smem + w * Cfg::SLOT;
@@ -624,23 +630,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   const int64_t row0 = (int64_t)seq * p.num_heads + head0;
   if (CPA_CLUSTER_CODE && p.cluster > 1) {
     // wave 0 holds the partition's result; slot 0 is free after the last pairwise round
-    if (wave_id() == 0) {
-      if (Tl::writer()) {
-#pragma unroll
-        for (int e = 0; e < NO; ++e) {
-          int h, d;
-          Tl::o_coord(e, h, d);
-          smem[h * HEAD + d] = o[e];
-        }
-      }
-      if (Tl::lh_writer()) {
-#pragma unroll
-        for (int lh = 0; lh < LH; ++lh) {
-          smem[CAPH * HEAD + Tl::lhead(lh)] = m[lh];
-          smem[CAPH * HEAD + CAPH + Tl::lhead(lh)] = l[lh];
-        }
-      }
-    }
+    if (wave_id() == 0) store_slot<Cfg>(smem, o, m, l);
     cluster_combine<Cfg>(p, row0, smem);  // (its first cluster barrier orders the writes above)
     return;
   }

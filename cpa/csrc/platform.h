@@ -254,13 +254,19 @@ CPA_DEVICE int cluster_rank() {
   return 0;
 #endif
 }
-// The word at `p` (this workgroup's shared memory) in workgroup `rank` of the cluster.
+#if CPA_CLUSTER_CODE
+// The shared::cluster address of `p` (this workgroup's shared memory) in workgroup `rank`.
+CPA_DEVICE unsigned cluster_addr(const float* p, int rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+  return r;
+}
+#endif
+// The word / 16 bytes at `p` (this workgroup's shared memory) in workgroup `rank` of the cluster.
 CPA_DEVICE float ld_cluster_f32(const float* p, int rank) {
 #if CPA_CLUSTER_CODE
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
   float x;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(r) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(cluster_addr(p, rank)) : "memory");
   return x;
 #else
   return *p;
@@ -268,11 +274,9 @@ CPA_DEVICE float ld_cluster_f32(const float* p, int rank) {
 }
 CPA_DEVICE u32x4 ld_cluster16(const float* p, int rank) {
 #if CPA_CLUSTER_CODE
-  unsigned a = (unsigned)__cvta_generic_to_shared(p), r;
   u32x4 v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
   asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(r) : "memory");
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(cluster_addr(p, rank)) : "memory");
   return v;
 #else
   return lds16(p);
