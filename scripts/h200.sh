@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
-# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, racecheck-async,
+# folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
+# racecheck-async,
 # ab-reduce, clusters, bench, sweep:<grid>, repeat, profile.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -165,6 +166,21 @@ PYEOF
       # any kernel knob against the default build (CPA_AB_FLAG, e.g. -DCPA_V_AFTER_QK=1)
       F="${CPA_AB_FLAG:?set CPA_AB_FLAG}"; tag=$(echo "$F" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
       ab_on "$F" "$tag"; ab_off "$tag"
+      ;;
+    ab-arms)
+      # several builds of the kernel back to back in one process tree, each arm's bench variants
+      # prebuilt first: CPA_AB_ARMS="flags0|flags1|..." (an empty arm is the default build),
+      # CPA_AB_ARGS the bench options; $OUT/arm-<i>.csv per arm, in arm order
+      IFS='|' read -r -a arms <<< "${CPA_AB_ARMS:?set CPA_AB_ARMS}"
+      i=0
+      for F in "${arms[@]}"; do
+        echo "--- arm $i: '${F}'"
+        CPA_NVCC_FLAGS="$F" $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"
+        CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS='$F' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
+          timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$i.csv" 2>&1 \
+          | grep -A14 "best_us" | head -14
+        i=$((i + 1))
+      done
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this

@@ -136,6 +136,14 @@ struct AttnConfig {
 #endif
 #endif
 
+// Each wave asks the L2 for the blocks of its step CPA_L2_AHEAD steps ahead (one bulk prefetch
+// per K or V block, lanes 0 .. 2 x blocks per step - 1) right after issuing the current step's
+// loads, so that the DRAM fetch of that step overlaps this one and its later loads hit the L2.
+// Where the per-lane block-table entries apply (kTabled) and on sm_90 only; 0: off.
+#ifndef CPA_L2_AHEAD
+#define CPA_L2_AHEAD 0
+#endif
+
 // Block-table entries one lane holds at most (4: a wave's 128 blocks, the partition of 8192
 // tokens at block 16 with 32-token steps); longer waves read the table per step.
 constexpr int kMaxEntries = 4;
@@ -219,18 +227,40 @@ struct KVSteps {
     return shfl_idx_i32(raw, src > 0 ? src : 0);
   }
 
-  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int, const Table& t) {
+  static constexpr int kAhead = kTabled ? CPA_L2_AHEAD : 0;
+  static_assert(kAhead * NBLK < kWave, "the prefetched step's blocks are in the next entry set at most");
+  int end;
+
+  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end, const Table& t) : end(end) {
     if constexpr (kTabled) {
       c = Src{cache, {}, -NBLK, first};  // load() advances j0 before the first step
 #pragma unroll
       for (int e = 0; e < NE; ++e) c.entry[e] = fix_tail(t.raw[e], first, e * kWave, cache.num_seq_blocks);
+#pragma unroll
+      for (int d = 1; d <= kAhead; ++d) prefetch_step(d * NBLK, first + d * STRIDE);
     } else {
       c = cache;
+    }
+  }
+  // The L2 prefetch of the step at token `tok` whose first block is wave block j of the entry
+  // sets (entry[0] from 0, entry[1] from kWave): K and V of each of its blocks, one lane each.
+  CPA_DEVICE void prefetch_step(int j, int tok) const {
+    if constexpr (kAhead > 0) {
+      if (tok >= end) return;  // (warp-uniform) not a step of this wave
+      const int l = lane_id(), jj = j + l % NBLK;
+      int e = shfl_idx_i32(c.entry[0], jj % kWave);
+      if constexpr (NE > 1) {
+        const int e1 = shfl_idx_i32(c.entry[1], jj % kWave);
+        if (jj >= kWave) e = e1;
+      }
+      constexpr unsigned BYTES = Cfg::head_size * BLOCK * Cache::ELEM;  // one block of K (or V)
+      if (l < 2 * NBLK) prefetch_l2_bulk((l < NBLK ? c.k : c.v) + (int64_t)e * c.block_stride, BYTES);
     }
   }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
     if constexpr (kTabled) c.advance(tok0);
     Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, c, tok0, partial);
+    if constexpr (kAhead > 0) prefetch_step(c.j0 + kAhead * NBLK, tok0 + kAhead * STRIDE);
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
     if constexpr (CPA_V_AFTER_QK != 0) {

@@ -1,0 +1,35 @@
+"""cpa.timing: which launches one graph replay holds (the GPU part runs in the GPU tests)."""
+
+import pytest
+
+from cpa import timing
+
+
+def test_short_passes_are_cycled_to_min_calls_in_order():
+    calls = ["a", "b", "c"]
+    assert timing.cycled(calls, 8, 30.0) == ["a", "b", "c", "a", "b", "c", "a", "b"]
+
+
+def test_long_passes_and_many_sets_are_left_alone():
+    assert timing.cycled(["a"], 8, timing.SHORT_PASS_US) == ["a"]
+    sets = list(range(16))
+    assert timing.cycled(sets, 8, 1.0) == sets
+
+
+@pytest.mark.gpu
+def test_time_graph_runs_each_cycled_call():
+    import torch
+
+    x = torch.randn(1 << 20, device="cuda")
+    seen = []
+
+    def call(i):
+        def f():
+            seen.append(i)
+            x.mul_(1.0)
+        return f
+
+    t = timing.time_graph([call(0), call(1)], replays=5, warmup=1, use_graph=False, min_calls=4)
+    assert t.samples == 5 and 0 < t.p25_us <= t.median_us <= t.p75_us
+    # warm-up pass, timed pass, then (1 warm-up + 5 replays) x the 4 cycled calls
+    assert seen == [0, 1, 0, 1] + [0, 1, 0, 1] * 6
