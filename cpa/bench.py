@@ -80,7 +80,8 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
 
 
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
-        replays=30, sdpa=True, fused=True, cluster=True, out_csv=None, progress=True, block_order="shuffled"):
+        replays=30, sdpa=True, fused=True, cluster=True, shared=True, out_csv=None, progress=True,
+        block_order="shuffled"):
     import torch
 
     from . import ceilings, reference, variants as V
@@ -101,8 +102,10 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
           f"commit {prov['git_commit']}")
     print(f"# ceilings this run: read {read_gbps:.0f} GB/s ({ceil['read_method']}), copy {ceil['copy_gbps']:.0f} GB/s")
     rows = []
-    # (fused_reduce, cluster_reduce): the reduce launch, and each in-kernel combine asked for
-    modes = [(False, False)] + [(True, False)] * bool(fused) + [(False, True)] * bool(cluster)
+    # (fused_reduce, cluster_reduce, shared_steps): the reduce launch over fixed partitions, each
+    # in-kernel combine asked for, and the reduce launch over shared steps
+    modes = [(False, False, False)] + [(True, False, False)] * bool(fused) + [(False, True, False)] * bool(cluster) \
+        + [(False, False, True)] * bool(shared)
     shapes = [(b, c) for b in batches for c in contexts]
     bar = None
     if progress:
@@ -120,10 +123,12 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                      block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
         ref = reference.paged_attention(**args0)
         tol = reference.REL_ERR_TOL[dtype]
-        for tiling, P, (fz, cl) in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
-            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz, cluster_reduce=cl)
-            # one partition: nothing to fuse; a cluster only where the arch and partition count allow
-            if (fz and math.ceil(ctx / P) == 1) or (cl and V.cluster_unsupported(arch, math.ceil(ctx / P))):
+        for tiling, P, (fz, cl, sh) in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
+            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz, cluster_reduce=cl, shared_steps=sh)
+            # one partition: nothing to fuse or share; a cluster only where the arch and partition
+            # count allow; shared steps where the partition has two steps per wave
+            if ((fz or sh) and math.ceil(ctx / P) == 1) or (cl and V.cluster_unsupported(arch, math.ceil(ctx / P))) \
+                    or (sh and _shared_unsupported(tiling, P, platform)):
                 if bar:
                     bar.update(1)
                 continue
@@ -131,7 +136,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                 launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache,
                                     block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale,
                                     partition_size=P, tiling=tiling, max_seq_len=ctx, check_values=(i == 0),
-                                    fused_reduce=fz, cluster_reduce=cl)
+                                    fused_reduce=fz, cluster_reduce=cl, shared_steps=sh)
                             for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
             except ValueError as e:  # not a variant of this platform
                 row.update(error=str(e))
@@ -174,6 +179,20 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     if out_csv:
         write_csv_atomic(df, out_csv)
     return df, ceil
+
+
+def _shared_unsupported(tiling, partition_size, platform) -> bool:
+    from . import variants as V
+
+    try:
+        v = V.variant_for(tiling=tiling, partition_size=partition_size, platform=platform, **_VARIANT_AXES)
+    except ValueError:
+        return False  # not a variant: prepare() says so in the row
+    return V.shared_steps_unsupported(v) is not None
+
+
+_VARIANT_AXES = dict(head_size=LLAMA70B["head_size"], block_size=LLAMA70B["block_size"], dtype="fp16",
+                     kv_cache_dtype="auto", gqa_ratio=LLAMA70B["num_heads"] // LLAMA70B["num_kv_heads"])
 
 
 def _frame(rows, prov, ceil, arch):
@@ -250,7 +269,8 @@ def summary_table(df):
         best = cpa_rows.loc[cpa_rows.time_us.idxmin()]
         p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
         p256 = p256.sort_values("time_us")
-        fz = "+fused" * _flag(best, "fused_reduce") + "+cluster" * _flag(best, "cluster_reduce")
+        fz = "+fused" * _flag(best, "fused_reduce") + "+cluster" * _flag(best, "cluster_reduce") + \
+            "+shared" * _flag(best, "shared_steps")
         line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}{fz}",
                     best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
                     p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)
@@ -269,29 +289,30 @@ def _flag(row, name: str) -> bool:
 
 
 def best_fixed_choice(df):
-    """The (tiling, partition_size, fused_reduce, cluster_reduce) with the smallest
-    geometric-mean slowdown against the per-shape best over all benchmarked shapes: the
-    one-entry device default. Returns (choice dict, DataFrame of every candidate's geomean
+    """The (tiling, partition_size, fused_reduce, cluster_reduce, shared_steps) with the
+    smallest geometric-mean slowdown against the per-shape best over all benchmarked shapes:
+    the one-entry device default. Returns (choice dict, DataFrame of every candidate's geomean
     and worst slowdown)."""
     import numpy as np
     import pandas as pd
 
     d = df[(df.tiling != "sdpa_cudnn") & df.time_us.notna()].copy()
-    for col in ("fused_reduce", "cluster_reduce"):
+    modes = ["fused_reduce", "cluster_reduce", "shared_steps"]
+    for col in modes:
         if col not in d:
             d[col] = False
         d[col] = d[col].fillna(False).astype(bool)
     best = d.groupby(["num_seqs", "max_seq_len"]).time_us.transform("min")
     d["slowdown"] = d.time_us / best
-    # a shape where a combine mode has no row (one partition, or too many for a cluster) is
-    # stood for by the same variant's reduce-launch row
+    # a shape where a mode has no row (one partition, or too many for a cluster) is stood for by
+    # the same variant's reduce-launch row over fixed partitions
     rows = []
-    for (t, p, f, c), g in d.groupby(["tiling", "partition_size", "fused_reduce", "cluster_reduce"]):
-        alt = d[(d.tiling == t) & (d.partition_size == p) & (~d.fused_reduce) & (~d.cluster_reduce)]
+    for (t, p, f, c, sh), g in d.groupby(["tiling", "partition_size", *modes]):
+        alt = d[(d.tiling == t) & (d.partition_size == p) & ~d[modes].any(axis=1)]
         g = pd.concat([g, alt[~alt.set_index(["num_seqs", "max_seq_len"]).index.isin(
-            g.set_index(["num_seqs", "max_seq_len"]).index)]]) if (f or c) else g
+            g.set_index(["num_seqs", "max_seq_len"]).index)]]) if (f or c or sh) else g
         rows.append(dict(tiling=t, partition_size=int(p), fused_reduce=bool(f), cluster_reduce=bool(c),
-                         shapes=len(g), geomean_slowdown=float(np.exp(np.log(g.slowdown).mean())),
+                         shared_steps=bool(sh), shapes=len(g), geomean_slowdown=float(np.exp(np.log(g.slowdown).mean())),
                          worst_slowdown=float(g.slowdown.max())))
     table = pd.DataFrame(rows).sort_values("geomean_slowdown").reset_index(drop=True)
     full = table[table.shapes == table.shapes.max()]

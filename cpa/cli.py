@@ -125,6 +125,8 @@ def bench(
     fused: bool = typer.Option(True, help="also time each variant with the fused reduce."),
     cluster: bool = typer.Option(True, help="also time each variant with the cluster combine (sm_90+, 2-16 "
                                  "partitions)."),
+    shared: bool = typer.Option(True, help="also time each variant with shared steps (the workgroups of a "
+                                "sequence take its steps from one counter)."),
     block_order: str = typer.Option("shuffled", help="physical block order of each sequence: 'shuffled' "
                                     "(random, as an allocator leaves it) or 'sequential' (what paging costs)."),
 ) -> None:
@@ -135,9 +137,9 @@ def bench(
 
     df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
                      partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, fused=fused,
-                     cluster=cluster, out_csv=out, block_order=block_order)
+                     cluster=cluster, shared=shared, out_csv=out, block_order=block_order)
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500):
-        cols = ["tiling", "partition_size", "fused_reduce", "cluster_reduce", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
+        cols = ["tiling", "partition_size", "fused_reduce", "cluster_reduce", "shared_steps", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
                 "reduce_time_us", "gbps", "frac_peak_bw", "verified"]
         full = df[[c for c in cols if c in df]].copy()
         print(full.round(3).to_string(index=False))

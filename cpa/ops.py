@@ -63,7 +63,7 @@ class Launch:
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
             return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False,
-            cluster_reduce=None) -> Launch:
+            cluster_reduce=None, shared_steps=False) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
     fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
@@ -71,7 +71,13 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     cluster_reduce: the partitions of each (sequence, KV head) run as one thread-block
     cluster and combine through distributed shared memory (sm_90+, 2-16 partitions; no
     intermediates are written). True requires it, False never, None picks
-    (cpa.variants.cluster_default)."""
+    (cpa.variants.cluster_default).
+    shared_steps: the workgroups of each (sequence, KV head) take its 32-token steps from a
+    shared counter after one each of their own, instead of a fixed range of partition_size
+    tokens each, so that the sequence's workgroups finish together; the reduce is unchanged.
+    A partial is then of whichever steps its workgroup ran (so no return_intermediates),
+    and the summation order -- hence the rounding of the output -- can differ between
+    launches. Not with the fused reduce or the cluster combine."""
     if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
         raise ValueError(f"query must be a GPU tensor for the CPA kernel (got "
                          f"{getattr(query, 'device', type(query).__name__)}); use cpa.reference on the CPU")
@@ -93,6 +99,16 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     fused = bool(fused_reduce) and num_partitions > 1
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
+    if shared_steps:
+        why = V.shared_steps_unsupported(variant, kv_async=any(f.startswith("-DCPA_KV_ASYNC=") and
+                                                                 not f.endswith("=0") for f in extra_flags()))
+        why = why or ("return_intermediates=True compares partials of fixed token ranges, which shared steps do "
+                      "not keep" if return_intermediates else None)
+        why = why or ("fused_reduce=True is not combined with shared steps" if fused_reduce else None)
+        why = why or ("cluster_reduce=True is not combined with shared steps" if cluster_reduce else None)
+        if why:
+            raise ValueError(f"shared_steps=True: {why}")
+        cluster_reduce = False
     cluster = _cluster_size(cluster_reduce, kernel, arch, shape, fused=fused,
                             return_intermediates=return_intermediates, query_device=query.device)
 
@@ -113,12 +129,14 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     kv_block_stride = shape.num_kv_heads * kv_head_stride
     # per-Launch counters: zeroed once, reset by the kernel itself, so graph replays reuse them
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32, device=dev) if fused else None
+    # shared steps: (next ticket, waves done) per (sequence, KV head), reset the same way
+    steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32, device=dev) if shared_steps else None
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     attn_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(query), ptr(key_cache),
                  ptr(value_cache), ptr(block_tables), ptr(seq_lens), ptr(alibi_slopes),
                  S, H, shape.num_kv_heads, shape.max_blocks_per_seq, num_partitions,
                  kv_block_stride, kv_head_stride, scale_log2, out_scale, int(num_partitions == 1),
-                 ptr(counters), cluster)
+                 ptr(counters), cluster, ptr(steal))
     reduce_args = None
     if num_partitions > 1 and not fused and not cluster:
         reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)
@@ -127,6 +145,8 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     launch._inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, counters)
     launch.fused_reduce = fused
     launch.cluster = cluster
+    launch.shared_steps = steal is not None
+    launch.steal_counters = steal
     return launch
 
 
@@ -162,7 +182,7 @@ def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAt
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None,
                     tiling=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
                     return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False,
-                    cluster_reduce=None):
+                    cluster_reduce=None, shared_steps=False):
     """Paged attention decode with the CPA kernel (vLLM ROCm paged_attention contract).
 
     query [num_seqs, num_heads, head_size] fp16/bf16; key_cache [num_blocks, num_kv_heads,
@@ -177,7 +197,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     launch = prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size=partition_size,
                      tiling=tiling, alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, out=out, return_intermediates=return_intermediates, max_seq_len=max_seq_len,
-                     check_values=check_values, fused_reduce=fused_reduce, cluster_reduce=cluster_reduce)
+                     check_values=check_values, fused_reduce=fused_reduce, cluster_reduce=cluster_reduce,
+                     shared_steps=shared_steps)
     launch()
     if return_intermediates:
         return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out

@@ -30,23 +30,30 @@ def main(argv=None) -> int:
 
     if cpa.variants.cluster_unsupported(device_arch()[1], 2) is None:
         cases += [("mfma16", 64, "fp16", "auto", 8, 5), ("mfma4", 256, "bf16", "fp8", 8, 16)]
+    # shared steps: the step counters (tickets past the end, the reset), fp8 and the scalar tiling
+    cases += [("mfma16", 256, "fp16", "auto", 8, "shared"), ("scalar", 512, "bf16", "fp8", 8, "shared")]
     failed = 0
     for t, p, dt, kv, g, cl in cases:
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
         ls = [1, 2047, 2048, 2049, 4096, 4097, 6000] if p == 4096 else lens
         if p == 8192:
             ls = [1, 6143, 6144, 6145, 8192, 9000]
+        shared = cl == "shared"
+        if shared:
+            cl = 0
+            ls = [1, 17, p - 1, p, p + 1, 2000, 4500]
         if cl:  # cluster size = partitions of the longest sequence
             ls = [1, p - 1, p + 1, 2 * p, (cl - 1) * p + 1, cl * p]
         inp = make_paged_inputs(len(ls), 2 * g, 2, 128, 16, ls, dtype=dtype, kv_cache_dtype=kv, device="cuda",
                                 seed=p + g)
-        out = cpa.paged_attention(**inp.as_kwargs(), tiling=t, partition_size=p, cluster_reduce=bool(cl))
+        out = cpa.paged_attention(**inp.as_kwargs(), tiling=t, partition_size=p, cluster_reduce=bool(cl),
+                                  shared_steps=shared)
         ref = reference.paged_attention(**inp.as_kwargs())
         err = reference.relative_error(out, ref, per_seq=True)
         ok = err <= reference.REL_ERR_TOL[dtype]
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {t:7s} p{p:<5d} {dt} kv{kv:5s} gqa{g:<3d} "
-              f"{f'cluster {cl}' if cl else 'reduce':10s} rel_err {err:.2e}")
+              f"{f'cluster {cl}' if cl else 'shared' if shared else 'reduce':10s} rel_err {err:.2e}")
     torch.cuda.synchronize()
     print(f"{len(cases) - failed} passed, {failed} failed")
     return 1 if failed else 0

@@ -272,6 +272,24 @@ def cluster_default(arch: str, max_num_partitions: int, num_seqs: int, num_kv_he
     return num_seqs * num_kv_heads * max_num_partitions <= CLUSTER_AUTO_SM_FRACTION * num_sms
 
 
+# Shared steps (`shared_steps=True`): the workgroups of one (sequence, KV head) take its steps
+# from a common counter after one step each of their own, so a faster workgroup takes more.
+# Each wave must own at least two steps of its partition for that to be worth a counter.
+NUM_WAVES = 4  # waves per attention workgroup (attention.h AttnConfig)
+SHARED_STEPS_MIN_STEPS_PER_WAVE = 2
+
+
+def shared_steps_unsupported(variant: Variant, *, kv_async: bool = False) -> str | None:
+    """Why a launch of `variant` cannot share its steps (None: it can)."""
+    need = SHARED_STEPS_MIN_STEPS_PER_WAVE * NUM_WAVES * variant.tokens_per_step
+    if variant.partition_size < need:
+        return (f"partition_size={variant.partition_size}: shared steps need >= {need} tokens per partition "
+                f"({SHARED_STEPS_MIN_STEPS_PER_WAVE} steps of {variant.tokens_per_step} per wave)")
+    if kv_async:
+        return "the staged / ring main loops (-DCPA_KV_ASYNC) keep fixed partitions"
+    return None
+
+
 # ---------------------------------------------------------------- per-device defaults
 # One table: arch -> rules (max GQA ratio, tiling, partition size, where the choice comes from).
 # gfx942 / gfx90a follow upstream's ROCm design (vLLM csrc/rocm/attention.cu: 256 tokens per

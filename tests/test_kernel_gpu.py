@@ -346,3 +346,97 @@ def test_cluster_reduce_auto():
         out = launch()
         ref = reference.paged_attention(**inp.as_kwargs())
         assert reference.relative_error(out, ref, per_seq=True) <= reference.REL_ERR_TOL[torch.float16]
+
+
+# Shared steps: the workgroups of each (sequence, KV head) take its steps from one counter.
+# Every tiling with a 16-bit and an fp8 cache at partitions from the smallest allowed (two steps
+# per wave) to 8192, then every other axis.
+SHARED_CASES = [dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv) for t in V.TILINGS
+                for p in (256, 1024, 8192) for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
+SHARED_CASES += [dict(BASE, tiling=t, partition_size=512, dtype=V.DTYPES[i % 2], kv=V.KV_CACHE_DTYPES[(i // 2) % 2],
+                      **ax) for t in V.TILINGS for i, ax in enumerate(AXES)]
+
+
+def _shared_launch(c, lens, seed):
+    import cpa.ops as ops
+    from cpa.jit import device_arch
+    from cpa.inputs import make_paged_inputs
+
+    platform, _ = device_arch()
+    v = _variant_or_skip(c, platform)
+    why = V.shared_steps_unsupported(v)
+    if why:
+        pytest.skip(why)
+    num_kv_heads = 2
+    inp = make_paged_inputs(len(lens), c["gqa"] * num_kv_heads, num_kv_heads, c["head_size"], c["block_size"], lens,
+                            dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"], device="cuda", seed=seed,
+                            alibi=c["alibi"])
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=c["partition_size"], tiling=c["tiling"], out=out,
+                         shared_steps=True)
+    assert launch.shared_steps and launch.cluster == 0 and not launch.fused_reduce
+    return inp, out, launch
+
+
+@pytest.mark.parametrize("c", SHARED_CASES, ids=[case_id(c) for c in SHARED_CASES])
+def test_shared_steps(c):
+    """Shared steps against the reference: edge and mixed lengths in one batch (sequences of one
+    workgroup up to many, partial last steps), three launches each right and nothing left
+    unwritten, the counters back at zero after every launch; two attention launches with no
+    reduce between them (the kernel resets its own counters) still give the right output."""
+    from cpa import reference
+
+    P = c["partition_size"]
+    seed = zlib.crc32(case_id(c).encode()) % 10_000
+    lens = edge_lengths(P) + [2 * P + 5, 3 * P] + mixed_lengths(seed, 4)
+    inp, out, launch = _shared_launch(c, lens, seed)
+    ref = reference.paged_attention(**inp.as_kwargs())
+    tol = reference.REL_ERR_TOL[inp.query.dtype]
+    for _ in range(3):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= tol, f"shared-steps output relative error {err:.3g} > {tol:g}"
+        assert int(launch.steal_counters.abs().sum()) == 0, "step counters not reset"
+    out.fill_(float("nan"))
+    launch.attention()
+    launch.attention()
+    launch.reduce()
+    torch.cuda.synchronize()
+    err = reference.relative_error(out, ref, per_seq=True)
+    assert err <= tol and int(launch.steal_counters.abs().sum()) == 0
+
+
+def test_shared_steps_many_rounds():
+    """A grid of many rounds (4096 workgroups at 2 per SM): later workgroups start when most
+    steps are taken and run only their own first step."""
+    from cpa import reference
+
+    c = dict(BASE, tiling="mfma16", partition_size=256, dtype="fp16", kv="auto")
+    lens = [8192] * 60 + [1, 300, 7000, 8191]
+    inp, out, launch = _shared_launch(c, lens, 77)
+    launch()
+    torch.cuda.synchronize()
+    ref = reference.paged_attention(**inp.as_kwargs())
+    assert reference.relative_error(out, ref, per_seq=True) <= reference.REL_ERR_TOL[torch.float16]
+    assert int(launch.steal_counters.abs().sum()) == 0
+
+
+def test_shared_steps_refusals():
+    """shared_steps=True that cannot be honoured raises before any launch."""
+    import cpa.ops as ops
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(2, 16, 2, 128, 16, [3000, 300], dtype=torch.float16, device="cuda", seed=9)
+    with pytest.raises(ValueError, match="tokens per partition"):
+        ops.prepare(**inp.as_kwargs(), partition_size=128, tiling="mfma16", shared_steps=True)
+    with pytest.raises(ValueError, match="return_intermediates"):
+        ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True, return_intermediates=True)
+    with pytest.raises(ValueError, match="fused_reduce"):
+        ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True, fused_reduce=True)
+    with pytest.raises(ValueError, match="cluster_reduce"):
+        ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True, cluster_reduce=True)
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True)
+    assert launch.shared_steps and launch.cluster == 0 and launch.reduce_args is not None

@@ -56,6 +56,7 @@ struct AttnParams {
   int num_kv_heads;
   int cluster;              // > 1: the launch's clusters are the max_num_partitions (= cluster)
                             // partitions of one (sequence, KV head); they combine in the kernel
+  int* steal;               // [num_seqs * num_kv_heads][2] zeros, or null: shared steps (below)
 };
 
 struct ReduceParams {
@@ -134,14 +135,6 @@ struct AttnConfig {
 #else
 #define CPA_BT_PREFETCH 0
 #endif
-#endif
-
-// Each wave asks the L2 for the blocks of its step CPA_L2_AHEAD steps ahead (one bulk prefetch
-// per K or V block, lanes 0 .. 2 x blocks per step - 1) right after issuing the current step's
-// loads, so that the DRAM fetch of that step overlaps this one and its later loads hit the L2.
-// Where the per-lane block-table entries apply (kTabled) and on sm_90 only; 0: off.
-#ifndef CPA_L2_AHEAD
-#define CPA_L2_AHEAD 0
 #endif
 
 // Block-table entries one lane holds at most (4: a wave's 128 blocks, the partition of 8192
@@ -227,40 +220,18 @@ struct KVSteps {
     return shfl_idx_i32(raw, src > 0 ? src : 0);
   }
 
-  static constexpr int kAhead = kTabled ? CPA_L2_AHEAD : 0;
-  static_assert(kAhead * NBLK < kWave, "the prefetched step's blocks are in the next entry set at most");
-  int end;
-
-  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int end, const Table& t) : end(end) {
+  CPA_DEVICE KVSteps(float*, const Cache& cache, int first, int, const Table& t) {
     if constexpr (kTabled) {
       c = Src{cache, {}, -NBLK, first};  // load() advances j0 before the first step
 #pragma unroll
       for (int e = 0; e < NE; ++e) c.entry[e] = fix_tail(t.raw[e], first, e * kWave, cache.num_seq_blocks);
-#pragma unroll
-      for (int d = 1; d <= kAhead; ++d) prefetch_step(d * NBLK, first + d * STRIDE);
     } else {
       c = cache;
-    }
-  }
-  // The L2 prefetch of the step at token `tok` whose first block is wave block j of the entry
-  // sets (entry[0] from 0, entry[1] from kWave): K and V of each of its blocks, one lane each.
-  CPA_DEVICE void prefetch_step(int j, int tok) const {
-    if constexpr (kAhead > 0) {
-      if (tok >= end) return;  // (warp-uniform) not a step of this wave
-      const int l = lane_id(), jj = j + l % NBLK;
-      int e = shfl_idx_i32(c.entry[0], jj % kWave);
-      if constexpr (NE > 1) {
-        const int e1 = shfl_idx_i32(c.entry[1], jj % kWave);
-        if (jj >= kWave) e = e1;
-      }
-      constexpr unsigned BYTES = Cfg::head_size * BLOCK * Cache::ELEM;  // one block of K (or V)
-      if (l < 2 * NBLK) prefetch_l2_bulk((l < NBLK ? c.k : c.v) + (int64_t)e * c.block_stride, BYTES);
     }
   }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
     if constexpr (kTabled) c.advance(tok0);
     Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, c, tok0, partial);
-    if constexpr (kAhead > 0) prefetch_step(c.j0 + kAhead * NBLK, tok0 + kAhead * STRIDE);
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
     if constexpr (CPA_V_AFTER_QK != 0) {
@@ -444,6 +415,96 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
   }
 }
 
+// Shared steps (p.steal, direct loads only): the partitions of one (sequence, KV head) share
+// its steps instead of owning fixed ranges. Wave w of workgroup `part` first runs step
+// part * NUM_WAVES + w (its block-table entries read before seq_len is known, as the static
+// loop's are), then takes tickets from one counter per (sequence, KV head): ticket t is step
+// np * NUM_WAVES + t (np: the sequence's workgroups). A wave that runs faster -- alone on its
+// SM, or nearer its data -- takes more steps, so the workgroups of a sequence finish together
+// instead of waiting for the slowest. A ticket is taken one step before it is needed (its
+// latency hides behind a step) and the block-table entries of the next step are read during the
+// current one. A workgroup's partial is of whatever steps its waves ran (the combine does not
+// care which); every active workgroup runs at least its wave 0's first step, so its exp sum is
+// positive. Each wave's last ticket is past the sequence: the wave that counts the last such
+// ticket resets both counters for the next launch.
+template <class Cfg>
+struct SharedSteps {
+  using Tl = typename Cfg::Tiles;
+  using Cache = PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>;
+  static constexpr int BLOCK = Cfg::block_size;
+  static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
+  using Src = TabledKV<Cache, BLOCK, NBLK, 1>;
+  static_assert(NBLK <= kWave, "one block-table entry per lane");
+  // Lane l < NBLK: the table entry of block l of step q, clamped to the row only (garbage past
+  // the sequence until fix()).
+  CPA_DEVICE static int read_raw(const int* row, int max_blocks, int q) {
+    const int b = q * Tl::TOKENS / BLOCK + (lane_id() < NBLK ? lane_id() : 0);
+    return load_i32_early(row + (b < max_blocks ? b : max_blocks - 1));
+  }
+  // The entries of step q (< the sequence's steps): blocks past the sequence's last take it.
+  CPA_DEVICE static int fix(int raw, int q, int num_seq_blocks) {
+    const int b0 = q * Tl::TOKENS / BLOCK, over = b0 + lane_id() - (num_seq_blocks - 1);
+    return shfl_idx_i32(raw, over > 0 ? num_seq_blocks - 1 - b0 : lane_id());
+  }
+};
+
+template <class Cfg, class Step>
+CPA_DEVICE void shared_steps(const AttnParams& p, const PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>& cache,
+                             int seq, int kvh, int part, int seq_len, int raw0, Step& step) {
+  using SS = SharedSteps<Cfg>;
+  using Tl = typename Cfg::Tiles;
+  constexpr int T = Tl::TOKENS, NW = Cfg::NUM_WAVES, BLOCK = Cfg::block_size;
+  const int nq = (seq_len + T - 1) / T;
+  const int q_pool = (seq_len + Cfg::partition_size - 1) / Cfg::partition_size * NW;
+  int* ctr = p.steal + 2 * ((int64_t)seq * p.num_kv_heads + kvh);
+  const bool lead = lane_id() == 0;
+  const int l_blk = (lane_id() < SS::NBLK ? lane_id() : 0) * BLOCK;
+  typename SS::Src src;
+  static_cast<typename SS::Cache&>(src) = cache;
+  src.j0 = 0;
+  int ticket = lead ? atomic_add_i32(ctr, 1) : 0;  // the step after the first
+  int cur = part * NW + wave_id(), ent = 0;
+  if (cur < nq) {
+    ent = SS::fix(raw0, cur, cache.num_seq_blocks);
+  } else {  // no first step of its own (a short sequence): start from the ticket
+    cur = q_pool + shfl_idx_i32(ticket, 0);
+    if (cur < nq) {
+      ticket = lead ? atomic_add_i32(ctr, 1) : 0;
+      ent = cache.physical_block(cur * T + l_blk);
+    }
+  }
+  while (cur < nq) {
+    int nxt = nq, ent_next = 0;
+    const int tok0 = cur * T;
+    step(tok0,
+         [&](typename Tl::KV& kv, bool partial) {
+           src.entry[0] = ent;
+           src.tok0 = tok0;
+           Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, src, tok0, partial);
+           // with this step's loads in flight: the next step (the ticket taken a step ago), its
+           // table entries, and the ticket after it
+           nxt = q_pool + shfl_idx_i32(ticket, 0);
+           if (nxt < nq) {
+             ticket = lead ? atomic_add_i32(ctr, 1) : 0;
+             ent_next = cache.physical_block(nxt * T + l_blk);
+           }
+         },
+         [&](typename Tl::KV& kv, bool partial) {
+           if constexpr (CPA_V_AFTER_QK != 0) {
+             compiler_fence();
+             Tl::template load_kv<kLoadV>(kv, src, tok0, partial);
+           }
+         });
+    cur = nxt;
+    ent = ent_next;
+  }
+  // every wave of the sequence's workgroups has drawn its one ticket past the end
+  if (lead && atomic_add_i32(ctr + 1, 1) == q_pool - 1) {
+    atomic_store_i32(ctr, 0);
+    atomic_store_i32(ctr + 1, 0);
+  }
+}
+
 // A wave's partition result into a combine slot (in (head, dim) coordinates): O [CAPH][HEAD],
 // then max and sum [CAPH] -- the layout the pairwise wave combine and cluster_combine read.
 template <class Cfg>
@@ -533,7 +594,9 @@ CPA_DEVICE void cluster_combine(const AttnParams& p, int64_t row0, const float* 
   cluster_sync();
 }
 
-template <class Cfg>
+// STEAL: the shared-steps kernel (p.steal set; direct loads only), a separate instantiation so
+// that the fixed-partition kernel is compiled exactly as without it.
+template <class Cfg, bool STEAL = false>
 __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
   using Tl = typename Cfg::Tiles;
   using T = typename Cfg::Dtype;
@@ -551,8 +614,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   const int seq_len = p.seq_lens[seq];
   const int start = part * PARTITION;
   const int first = start + wave_id() * Tl::TOKENS;  // the wave's first step
-  const auto table = KVSteps<Cfg>::read_table(p.block_tables + (int64_t)seq * p.max_blocks_per_seq,
-                                              p.max_blocks_per_seq, first);
+  const int* table_row = p.block_tables + (int64_t)seq * p.max_blocks_per_seq;
+  const auto table = KVSteps<Cfg>::read_table(table_row, p.max_blocks_per_seq, first);
+  constexpr bool kShared = STEAL && !CPA_KV_ASYNC;
+  int steal_raw = 0;
+  if constexpr (kShared)
+    steal_raw = SharedSteps<Cfg>::read_raw(table_row, p.max_blocks_per_seq, part * Cfg::NUM_WAVES + wave_id());
   const int head0 = kvh * p.gqa;
   if (start >= seq_len) {  // whole workgroup: no barrier is skipped by part of it
     if (CPA_CLUSTER_CODE && p.cluster > 1) {  // still one of its cluster's partitions: empty
@@ -584,16 +651,15 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 #pragma unroll
   for (int e = 0; e < NO; ++e) o[e] = 0.f;
 
-  // Waves take steps of the partition round-robin; online softmax inside the wave.
-  constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
-  KVSteps<Cfg> steps(smem, cache, first, end, table);
-  for (int tok0 = first; tok0 < end; tok0 += STRIDE) {
+  // One step of TOKENS tokens at tok0 into the wave's online softmax; `load` fills kv
+  // (K, or K and V), `after_qk` whatever of it QK did not need.
+  auto step = [&](int tok0, auto&& load, auto&& after_qk) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
-    steps.load(kv, tok0, partial, tok0 + STRIDE);
+    load(kv, partial);
     float s[NS];
     Tl::qk(s, q, kv, smem);
-    steps.after_qk(kv, tok0, partial);
+    after_qk(kv, partial);
 
     float mt[LH];
 #pragma unroll
@@ -624,6 +690,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
       l[lh] += s[e];
     }
     Tl::pv(o, s, kv, smem);
+  };
+
+  constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+  if constexpr (kShared) {
+    shared_steps<Cfg>(p, cache, seq, kvh, part, seq_len, steal_raw, step);
+  } else {
+    // Waves take steps of the partition round-robin; online softmax inside the wave.
+    KVSteps<Cfg> steps(smem, cache, first, end, table);
+    for (int tok0 = first; tok0 < end; tok0 += STRIDE)
+      step(tok0, [&](typename Tl::KV& kv, bool partial) { steps.load(kv, tok0, partial, tok0 + STRIDE); },
+           [&](typename Tl::KV& kv, bool partial) { steps.after_qk(kv, tok0, partial); });
   }
 
 #pragma unroll

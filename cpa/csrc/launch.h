@@ -99,6 +99,11 @@ int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* 
   static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
   if (opt_in) return opt_in;
   if (p.cluster > 1) return launch_clustered<Cfg>(p, grid, stream);
+  if (p.steal) {  // shared steps: direct loads, no cluster (the Python side refuses the rest)
+    if (CPA_KV_ASYNC || p.cluster > 1) return (int)CPA_RT(ErrorInvalidValue);
+    return launch_dependent(paged_attention_kernel<Cfg, true>, grid, Cfg::THREADS, 0, p, stream,
+                            CPA_PDL_ATTENTION != 0);
+  }
   return launch_dependent(paged_attention_kernel<Cfg>, grid, Cfg::THREADS, dynamic_smem_bytes<Cfg>(), p, stream,
                           CPA_PDL_ATTENTION != 0);
 }
@@ -196,12 +201,12 @@ int kernel_attributes(int which, int* out) {
                                int max_blocks_per_seq, int max_num_partitions,                     \
                                long long kv_block_stride, long long kv_head_stride,               \
                                float scale_log2, float out_scale, int out_direct, int* counters,   \
-                               int cluster, void* stream) {                                        \
+                               int cluster, int* steal, void* stream) {                            \
     cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, counters, num_kv_heads, cluster};                               \
+                      out_direct, counters, num_kv_heads, cluster, steal};                        \
     return cpa::launch_attention<CpaCfg>(p, num_seqs, num_kv_heads, stream);                      \
   }                                                                                                \
   extern "C" int cpa_reduce(void* out, const float* exp_sums, const float* max_logits,             \

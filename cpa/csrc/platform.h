@@ -10,7 +10,6 @@
 //   cpa::load16 / load8 / load4   16/8/4-byte vector loads (uint4 / uint2 / uint32)
 //   cpa::lds16 / lds8, cp_async16 shared-memory loads; async global -> shared copies (NVIDIA)
 //   mbar_*, bulk_copy_to_shared   mbarriers and TMA bulk copies (NVIDIA sm_90, the ring loop)
-//   prefetch_l2_bulk              a bulk L2 prefetch of a contiguous run (NVIDIA sm_90)
 //   cpa::F16 / cpa::BF16          16-bit storage tags with pack/unpack of bit pairs
 //   cpa::fp8x4_to_16bit<T>        four e4m3fn bytes -> two packed 16-bit values (value / 256)
 //   matrix-core calls             cpa::mma_* (NVIDIA) and cpa::mfma_* (AMD), operands as
@@ -114,6 +113,13 @@ CPA_DEVICE int atomic_add_i32(int* p, int v) {
   return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 #else
   return atomicAdd(p, v);
+#endif
+}
+CPA_DEVICE void atomic_store_i32(int* p, int v) {
+#if CPA_HIP
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  atomicExch(p, v);
 #endif
 }
 
@@ -318,17 +324,6 @@ CPA_DEVICE void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, 
 // Orders this thread's earlier shared-memory accesses before later bulk copies (async proxy).
 CPA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #endif
-// Ask the L2 for `bytes` (a multiple of 16) from global address `p` (16-byte aligned): one
-// instruction moves a whole cache block toward the L2 with no register or completion to wait
-// for (sm_90 bulk prefetch). A no-op elsewhere.
-CPA_DEVICE void prefetch_l2_bulk(const void* p, unsigned bytes) {
-#if CPA_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
 // v of lane `lane` (any lane of the wave; each lane may name a different one).
 CPA_DEVICE int shfl_idx_i32(int v, int lane) {
 #if CPA_HIP
