@@ -19,6 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 from cpa import sweep as S
+from cpa import variants as V
 from cpa.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +76,8 @@ def _signature(df):
 def test_builtin_grids_expand():
     assert set(S.builtin_grids()) >= {"llama70b-decode", "gqa-scan", "head-size-scan", "mixed-lengths"}
     g = S.load_grid("llama70b-decode")
-    assert len(g.points) == 7 * 8 and len(g.variants()) == 3 * 5
-    assert len(g.rows()) == 840 > 200
+    assert len(g.points) == 7 * 8 and len(g.variants()) == 3 * len(V.PARTITION_SIZES) == 3 * 8
+    assert len(g.rows()) == 1344 > 200
     assert sorted({p.num_seqs for p in g.points}) == [1, 4, 16, 32, 64, 128, 256]
     assert sorted({p.max_seq_len for p in g.points}) == [128, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     assert {(p.num_heads, p.num_kv_heads, p.head_size, p.block_size, p.dtype, p.kv_cache_dtype)
@@ -478,7 +479,7 @@ def test_cli_sweep_cpu(tmp_path, tiny):
 def test_cli_sweep_dry_run():
     res = CliRunner().invoke(app, ["sweep", "--grid", "llama70b-decode", "--out", "unused.parquet", "--dry-run"])
     assert res.exit_code == 0, res.output
-    assert "56 points x 15 variants = 840 rows" in res.output
+    assert "56 points x 24 variants = 1344 rows" in res.output
     assert not Path("unused.parquet").exists()
 
 
