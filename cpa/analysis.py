@@ -107,14 +107,31 @@ def shipped_sweep_at(grid: str, commits) -> SweepData:
     from . import sweep as S
     from . import variants as V
 
-    want = {str(c)[:7] for c in commits}
+    trees = kernel_trees()
+    # a commit stands for its kernel sources where they are listed (data/kernel-sources.json)
+    key = lambda c: trees.get(str(c)[:7], str(c)[:7])  # noqa: E731
+    want = {key(c) for c in commits}
     for path in [shipped_path(grid), *sorted((SHIPPED / "experiments").glob(f"h200-{grid}-*.parquet"))]:
         if not path.exists():
             continue
         df, meta = S.read_results(path)
-        if want & {str(c)[:7] for c in df[df.tiling.isin(V.TILINGS)].git_commit.dropna()}:
+        if want & {key(c) for c in df[df.tiling.isin(V.TILINGS)].git_commit.dropna()}:
             return SweepData(grid, df, "shipped", path, meta["runs"])
-    raise FileNotFoundError(f"no shipped {grid!r} sweep measured at {sorted(want)}")
+    raise FileNotFoundError(f"no shipped {grid!r} sweep measured at {sorted(str(c)[:7] for c in commits)}")
+
+
+KERNEL_SOURCES = Path(__file__).resolve().parent.parent / "data" / "kernel-sources.json"
+
+
+def kernel_trees() -> dict[str, str]:
+    """Abbreviated commit -> git tree of its cpa/csrc, for the commits of the shipped datasets
+    (data/kernel-sources.json): two commits with the same tree ran the same kernel, so counters
+    of one join the sweep of the other."""
+    import json
+
+    if not KERNEL_SOURCES.exists():
+        return {}
+    return {c[:7]: t for c, t in json.loads(KERNEL_SOURCES.read_text())["cpa/csrc"].items()}
 
 
 def shipped_ceilings() -> dict:

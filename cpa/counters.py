@@ -157,9 +157,9 @@ def bandwidth_agreement(joined, *, long_context: int = 8192):
 def theoretical_occupancy(joined, static=None, spec=None):
     """Adds, per row: ``theoretical_occupancy`` (resident warps the attention kernel's
     compiled resources allow per SM / the SM's warp slots; sm_90 table of ``cpa static``)
-    and ``grid_limited_occupancy`` (the same, capped by the workgroups the grid has: a
-    launch with fewer workgroups than slots cannot fill them). Achieved occupancy from the
-    counters sits at or below both."""
+    and ``grid_limited_occupancy`` (the same, capped by the workgroups the grid has per SM
+    that holds any: a launch with fewer workgroups than slots cannot fill them). Achieved
+    occupancy from the counters (per active SM cycle) sits at or below both."""
     from . import hardware as hw
     from . import occupancy as O
     from . import variants as V
@@ -185,7 +185,10 @@ def theoretical_occupancy(joined, static=None, spec=None):
         t = per_sm * warps_per_block / spec.max_warps_per_sm
         wg = r.num_seqs * math.ceil(r.max_seq_len / r.partition_size) * r.num_kv_heads
         theo.append(t)
-        grid_lim.append(t * min(1.0, wg / (per_sm * spec.compute_units)))
+        # ncu's achieved occupancy is averaged over the cycles an SM is active, so an SM with no
+        # workgroup does not count: a grid of wg workgroups puts wg / min(wg, SMs) on each busy SM
+        busy = min(wg, spec.compute_units)
+        grid_lim.append(min(t, wg / busy * warps_per_block / spec.max_warps_per_sm))
         slots_l.append(per_sm * spec.compute_units)
     out["theoretical_occupancy"] = theo
     out["grid_limited_occupancy"] = grid_lim

@@ -72,7 +72,8 @@ for step in "$@"; do
       # counters of the attention kernel through ncu: every tiling x partition size at 6 shapes
       # (1x32k, 4x8k, 16x2k, 32x32k, 128x2k, 256x8k of llama70b-decode), one ncu run per point
       # so that a timeout keeps the points done; a set ncu refuses falls back to `basic`
-      mkdir -p "$OUT/counters"; t0=$SECONDS
+      # (variants prebuilt first: building them inside the first ncu run can outlast its timeout)
+      mkdir -p "$OUT/counters"; $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"; t0=$SECONDS
       for pt in $(echo ${CPA_POINTS:-7,13,19,31,43,53} | tr , ' '); do
         for set in ${CPA_COUNTERS:-full} basic; do
           CPA_COMMAND="python3 -m cpa profile --profiler ncu --counters $set --grid llama70b-decode --points $pt --out data/counters/h200-llama70b.parquet" \

@@ -431,79 +431,98 @@ template <class Cfg>
 struct SharedSteps {
   using Tl = typename Cfg::Tiles;
   using Cache = PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>;
-  static constexpr int BLOCK = Cfg::block_size;
-  static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
-  using Src = TabledKV<Cache, BLOCK, NBLK, 1>;
+  static constexpr int BLOCK = Cfg::block_size, T = Tl::TOKENS, NW = Cfg::NUM_WAVES;
+  static constexpr int NBLK = T >= BLOCK ? T / BLOCK : 1;  // blocks per step
   static_assert(NBLK <= kWave, "one block-table entry per lane");
+  TabledKV<Cache, BLOCK, NBLK, 1> src;  // the current step's blocks, lane b: block b
+  int* ctr;        // (next ticket, waves done) of this (sequence, KV head)
+  int nq, q_pool;  // the sequence's steps; the first step that tickets hand out
+  int l_blk;       // this lane's block offset in tokens inside a step (lanes past NBLK: 0)
+  int ticket;      // lane 0: the ticket taken a step ago
+  int nxt, ent_next;
+
   // Lane l < NBLK: the table entry of block l of step q, clamped to the row only (garbage past
-  // the sequence until fix()).
+  // the sequence until fix()). Read before seq_len is known.
   CPA_DEVICE static int read_raw(const int* row, int max_blocks, int q) {
-    const int b = q * Tl::TOKENS / BLOCK + (lane_id() < NBLK ? lane_id() : 0);
+    const int b = q * T / BLOCK + (lane_id() < NBLK ? lane_id() : 0);
     return load_i32_early(row + (b < max_blocks ? b : max_blocks - 1));
   }
   // The entries of step q (< the sequence's steps): blocks past the sequence's last take it.
   CPA_DEVICE static int fix(int raw, int q, int num_seq_blocks) {
-    const int b0 = q * Tl::TOKENS / BLOCK, over = b0 + lane_id() - (num_seq_blocks - 1);
+    const int b0 = q * T / BLOCK, over = b0 + lane_id() - (num_seq_blocks - 1);
     return shfl_idx_i32(raw, over > 0 ? num_seq_blocks - 1 - b0 : lane_id());
+  }
+  CPA_DEVICE int take() { return lane_id() == 0 ? atomic_add_i32(ctr, 1) : 0; }
+
+  CPA_DEVICE SharedSteps(float*, const Cache& cache, int, int, const typename KVSteps<Cfg>::Table&,
+                         const AttnParams& p, int seq, int kvh, int part, int raw0) {
+    const int seq_len = cache.seq_len;
+    nq = (seq_len + T - 1) / T;
+    q_pool = (seq_len + Cfg::partition_size - 1) / Cfg::partition_size * NW;
+    ctr = p.steal + 2 * ((int64_t)seq * p.num_kv_heads + kvh);
+    l_blk = (lane_id() < NBLK ? lane_id() : 0) * BLOCK;
+    static_cast<Cache&>(src) = cache;
+    src.j0 = 0;
+    ticket = take();  // the step after the first
+    nxt = part * NW + wave_id();
+    ent_next = nxt < nq ? fix(raw0, nxt, cache.num_seq_blocks) : 0;
+    if (nxt >= nq) {  // no first step of its own (a short sequence): start from the ticket
+      nxt = q_pool + shfl_idx_i32(ticket, 0);
+      if (nxt < nq) {
+        ticket = take();
+        ent_next = src.physical_block(nxt * T + l_blk);
+      } else {
+        nxt = nq;
+      }
+    }
+  }
+  CPA_DEVICE int begin(int) const { return nxt * T; }
+  CPA_DEVICE int stop(int) const { return nq * T; }
+  CPA_DEVICE int next(int) const { return nxt * T; }
+  // This step's loads, then -- with them in flight -- the next step (the ticket taken a step
+  // ago), its table entries, and the ticket after it.
+  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
+    src.entry[0] = ent_next;
+    src.tok0 = tok0;
+    Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, src, tok0, partial);
+    nxt = q_pool + shfl_idx_i32(ticket, 0);
+    if (nxt < nq) {
+      ticket = take();
+      ent_next = src.physical_block(nxt * T + l_blk);
+    } else {
+      nxt = nq;
+    }
+  }
+  CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
+    if constexpr (CPA_V_AFTER_QK != 0) {
+      compiler_fence();
+      Tl::template load_kv<kLoadV>(kv, src, tok0, partial);
+    }
+  }
+  // Every wave of the sequence's workgroups has drawn its one ticket past the end: the wave that
+  // counts the last of them resets the counters for the next launch.
+  CPA_DEVICE void finish() {
+    if (lane_id() == 0 && atomic_add_i32(ctr + 1, 1) == q_pool - 1) {
+      atomic_store_i32(ctr, 0);
+      atomic_store_i32(ctr + 1, 0);
+    }
   }
 };
 
-template <class Cfg, class Step>
-CPA_DEVICE void shared_steps(const AttnParams& p, const PagedKV<Cfg::head_size, Cfg::block_size, Cfg::fp8>& cache,
-                             int seq, int kvh, int part, int seq_len, int raw0, Step& step) {
-  using SS = SharedSteps<Cfg>;
-  using Tl = typename Cfg::Tiles;
-  constexpr int T = Tl::TOKENS, NW = Cfg::NUM_WAVES, BLOCK = Cfg::block_size;
-  const int nq = (seq_len + T - 1) / T;
-  const int q_pool = (seq_len + Cfg::partition_size - 1) / Cfg::partition_size * NW;
-  int* ctr = p.steal + 2 * ((int64_t)seq * p.num_kv_heads + kvh);
-  const bool lead = lane_id() == 0;
-  const int l_blk = (lane_id() < SS::NBLK ? lane_id() : 0) * BLOCK;
-  typename SS::Src src;
-  static_cast<typename SS::Cache&>(src) = cache;
-  src.j0 = 0;
-  int ticket = lead ? atomic_add_i32(ctr, 1) : 0;  // the step after the first
-  int cur = part * NW + wave_id(), ent = 0;
-  if (cur < nq) {
-    ent = SS::fix(raw0, cur, cache.num_seq_blocks);
-  } else {  // no first step of its own (a short sequence): start from the ticket
-    cur = q_pool + shfl_idx_i32(ticket, 0);
-    if (cur < nq) {
-      ticket = lead ? atomic_add_i32(ctr, 1) : 0;
-      ent = cache.physical_block(cur * T + l_blk);
-    }
-  }
-  while (cur < nq) {
-    int nxt = nq, ent_next = 0;
-    const int tok0 = cur * T;
-    step(tok0,
-         [&](typename Tl::KV& kv, bool partial) {
-           src.entry[0] = ent;
-           src.tok0 = tok0;
-           Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, src, tok0, partial);
-           // with this step's loads in flight: the next step (the ticket taken a step ago), its
-           // table entries, and the ticket after it
-           nxt = q_pool + shfl_idx_i32(ticket, 0);
-           if (nxt < nq) {
-             ticket = lead ? atomic_add_i32(ctr, 1) : 0;
-             ent_next = cache.physical_block(nxt * T + l_blk);
-           }
-         },
-         [&](typename Tl::KV& kv, bool partial) {
-           if constexpr (CPA_V_AFTER_QK != 0) {
-             compiler_fence();
-             Tl::template load_kv<kLoadV>(kv, src, tok0, partial);
-           }
-         });
-    cur = nxt;
-    ent = ent_next;
-  }
-  // every wave of the sequence's workgroups has drawn its one ticket past the end
-  if (lead && atomic_add_i32(ctr + 1, 1) == q_pool - 1) {
-    atomic_store_i32(ctr, 0);
-    atomic_store_i32(ctr + 1, 0);
-  }
-}
+// The fixed partitions' step sources (direct, staged or ring) with SharedSteps' interface:
+// the partition's steps, from `first`, STRIDE apart, below `end`.
+template <class Cfg>
+struct FixedSteps : KVSteps<Cfg> {
+  using Base = KVSteps<Cfg>;
+  static constexpr int STRIDE = Cfg::NUM_WAVES * Cfg::Tiles::TOKENS;
+  CPA_DEVICE FixedSteps(float* smem, const typename Base::Cache& cache, int first, int end,
+                        const typename Base::Table& t, const AttnParams&, int, int, int, int)
+      : Base(smem, cache, first, end, t) {}
+  CPA_DEVICE int begin(int first) const { return first; }
+  CPA_DEVICE int stop(int end) const { return end; }
+  CPA_DEVICE int next(int tok0) const { return tok0 + STRIDE; }
+  CPA_DEVICE void finish() {}
+};
 
 // A wave's partition result into a combine slot (in (head, dim) coordinates): O [CAPH][HEAD],
 // then max and sum [CAPH] -- the layout the pairwise wave combine and cluster_combine read.
@@ -615,8 +634,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   const int start = part * PARTITION;
   const int first = start + wave_id() * Tl::TOKENS;  // the wave's first step
   const int* table_row = p.block_tables + (int64_t)seq * p.max_blocks_per_seq;
-  const auto table = KVSteps<Cfg>::read_table(table_row, p.max_blocks_per_seq, first);
   constexpr bool kShared = STEAL && !CPA_KV_ASYNC;
+  const auto table = kShared ? typename KVSteps<Cfg>::Table{}
+                             : KVSteps<Cfg>::read_table(table_row, p.max_blocks_per_seq, first);
   int steal_raw = 0;
   if constexpr (kShared)
     steal_raw = SharedSteps<Cfg>::read_raw(table_row, p.max_blocks_per_seq, part * Cfg::NUM_WAVES + wave_id());
@@ -651,15 +671,21 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 #pragma unroll
   for (int e = 0; e < NO; ++e) o[e] = 0.f;
 
-  // One step of TOKENS tokens at tok0 into the wave's online softmax; `load` fills kv
-  // (K, or K and V), `after_qk` whatever of it QK did not need.
-  auto step = [&](int tok0, auto&& load, auto&& after_qk) {
+  // Waves take steps of the partition round-robin (or, shared, from the sequence's counter);
+  // online softmax inside the wave.
+  constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+  typename Pick<kShared, SharedSteps<Cfg>, FixedSteps<Cfg>>::type steps(smem, cache, first, end, table, p, seq, kvh,
+                                                                        part, steal_raw);
+  // (the fixed loop is spelled out: through the methods, clang's loop passes see another
+  // shape and gfx942 allocates differently)
+  for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : end);
+       tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
-    load(kv, partial);
+    steps.load(kv, tok0, partial, tok0 + STRIDE);
     float s[NS];
     Tl::qk(s, q, kv, smem);
-    after_qk(kv, partial);
+    steps.after_qk(kv, tok0, partial);
 
     float mt[LH];
 #pragma unroll
@@ -690,18 +716,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
       l[lh] += s[e];
     }
     Tl::pv(o, s, kv, smem);
-  };
-
-  constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
-  if constexpr (kShared) {
-    shared_steps<Cfg>(p, cache, seq, kvh, part, seq_len, steal_raw, step);
-  } else {
-    // Waves take steps of the partition round-robin; online softmax inside the wave.
-    KVSteps<Cfg> steps(smem, cache, first, end, table);
-    for (int tok0 = first; tok0 < end; tok0 += STRIDE)
-      step(tok0, [&](typename Tl::KV& kv, bool partial) { steps.load(kv, tok0, partial, tok0 + STRIDE); },
-           [&](typename Tl::KV& kv, bool partial) { steps.after_qk(kv, tok0, partial); });
   }
+  steps.finish();
 
 #pragma unroll
   for (int lh = 0; lh < LH; ++lh) l[lh] = Tl::reduce_sum(l[lh]);
