@@ -479,15 +479,19 @@ def grid_table(arch: str, shapes, *, tilings=None, partition_sizes=None, head_si
 @dataclass(frozen=True)
 class WaveModel:
     """A modeled decode time from grid occupancy: every wave of resident workgroups pays a
-    fixed cost, the bytes stream at the device's bandwidth times the fraction of slots busy,
-    and a launched reduce pays its own fixed cost plus reading the partials back::
+    fixed cost, the bytes stream at the device's bandwidth times the fraction of compute
+    units busy, and a launched reduce pays its own fixed cost plus reading the partials back::
 
         t = t_wave x waves + (kv_bytes + partials_written) / (bw x fill)
             + [partitions > 1] x (t_reduce + partials_read / bw) + t_launch
 
-    with fill = workgroups / (waves x slots). The three times are fitted (least squares) to
-    measured times of one device (:func:`fit_wave_model`); on another device they are an
-    assumption, to be varied, never a measurement."""
+    with fill = min(workgroups / waves, compute units) / compute units: what streams is a busy
+    compute unit, however many of its slots are taken (on the H200 one workgroup per SM reads
+    about as fast as two: 1 x 8k at partition 512, 128 workgroups, 13.3 us for the attention
+    kernel against 13.4 at 256 with 256 workgroups; counting busy slots instead made the fit
+    of partitions >= 2048 go negative). The three times are fitted (non-negative least
+    squares) to measured times of one device (:func:`fit_wave_model`); on another device they
+    are an assumption, to be varied, never a measurement."""
 
     bw_bytes_per_s: float
     t_wave_us: float
@@ -497,8 +501,10 @@ class WaveModel:
 
     def predict(self, g) -> "object":
         """Modeled µs for each row of a :func:`grid_table` (adds no columns; returns a Series)."""
+        import numpy as np
+
         kv = kv_bytes_of(g)
-        fill = g.workgroups / (g.waves * g.slots)
+        fill = np.minimum(g.workgroups / g.waves, g.compute_units) / g.compute_units
         multi = (g.partitions > 1).astype(float)
         stream = (kv + g.partials_bytes_written) / (self.bw_bytes_per_s * fill) + g.partials_bytes_read / \
             self.bw_bytes_per_s
@@ -523,10 +529,33 @@ def fit_wave_model(grid, measured, bw_bytes_per_s: float, source: str) -> tuple[
         raise ValueError(f"fit_wave_model: {len(j)} matching rows; need at least 4")
     base = WaveModel(bw_bytes_per_s, 0.0, 0.0, 0.0, source)
     X = np.c_[j.waves, (j.partitions > 1).astype(float), np.ones(len(j))]
-    coef, *_ = np.linalg.lstsq(X, j.time_us - base.predict(j), rcond=None)
+    coef = nonneg_lstsq(X, (j.time_us - base.predict(j)).to_numpy())
     model = WaveModel(bw_bytes_per_s, float(coef[0]), float(coef[1]), float(coef[2]), source)
     j = j.assign(model_us=model.predict(j))
     return model, j
+
+
+def nonneg_lstsq(X, y):
+    """argmin ||X c - y|| over c >= 0, for a few columns: the best least-squares fit over every
+    subset of columns whose solution is non-negative (the others held at 0), which is the
+    non-negative optimum (a cost cannot be negative)."""
+    import itertools
+
+    import numpy as np
+
+    n = X.shape[1]
+    best, best_r = np.zeros(n), float(np.sum(y * y))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            c, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+            if (c < 0).any():
+                continue
+            full = np.zeros(n)
+            full[list(cols)] = c
+            r = float(np.sum((X @ full - y) ** 2))
+            if r < best_r:
+                best, best_r = full, r
+    return best
 
 
 def single_choice(table, time_col: str, by=("tiling", "partition_size")):

@@ -190,7 +190,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     block_size]; block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens [num_seqs]
     int32. `partition_size` / `tiling` None pick the device default (cpa.variants.DEFAULTS).
     Launches the attention kernel and, when a sequence spans several partitions, the reduce
-    kernel, on the current stream. With return_intermediates, also returns exp_sums,
+    kernel, on the current stream. fused_reduce / cluster_reduce / shared_steps: see
+    `prepare`. With return_intermediates, also returns exp_sums,
     max_logits [num_seqs, num_heads, partitions] and tmp_out [..., head_size] (fp32; entries
     of partitions past a sequence's end are not written).
     """

@@ -66,7 +66,7 @@ P.show(P.bandwidth_roof(main.df, ceil))
 # %% [markdown]
 # ## The best partition size over (batch, context)
 # The cell says the winning `tiling/partition`. On the H200 the long contexts want the
-# largest partitions: with 2 resident workgroups per SM (210 registers per thread), a
+# largest partitions: with 2 resident workgroups per SM (215-220 registers per thread), a
 # workgroup's fixed cost — the dependent loads of sequence length, block table and the first
 # K block, and the epilogue — is paid once per partition, and the fp32 partials of small
 # partitions are extra traffic for the reduce.

@@ -63,7 +63,7 @@ print(f"sm_90: calculator == cudaOccupancyMaxActiveBlocksPerMultiprocessor on {i
 # kernel's registers (it is a loop bound), only the grid; the tiling and the head size do.
 # A CDNA3 SIMD has 512 VGPRs per lane (VGPRs and AGPRs from one file, 8-register granule):
 # <= 256 gives 2 waves per SIMD, <= 168 gives 3. A Hopper SM has 64K 32-bit registers:
-# 4 warps x 210 registers per block leaves room for 2 blocks.
+# 4 warps x 215-220 registers per block (the mma tilings) leaves room for 2 blocks.
 
 # %%
 res = {arch: O.resource_table(arch, block_size=16, dtype="fp16", kv_cache_dtype="auto")
@@ -94,10 +94,11 @@ P.show(P.grid_fill(grids))
 # ## A wave model, fitted on the H200 and then applied to MI300X
 # `cpa.occupancy.WaveModel`: every wave of resident workgroups pays a fixed cost
 # (`t_wave`: the dependent loads of sequence length, block table and first K block, the
-# softmax epilogue); the bytes stream at the read bandwidth times the fraction of slots
-# busy; a launched reduce adds its own cost and reads the partials back. Its three times are
-# fitted by least squares to the **measured** mfma16 rows of the H200 sweep. If it picks
-# the H200's measured best partition sizes, it is worth applying to the compiled MI300X
+# softmax epilogue); the bytes stream at the read bandwidth times the fraction of compute
+# units busy (on the H200 one workgroup per SM reads about as fast as two); a launched reduce
+# adds its own cost and reads the partials back. Its three times are fitted by non-negative
+# least squares to the **measured** mfma16 rows of the H200 sweep (partitions 64-8192). If it
+# picks the H200's measured best partition size, it is worth applying to the compiled MI300X
 # resources.
 
 # %%
@@ -140,9 +141,11 @@ best = choice.loc[choice.groupby("scenario").geomean_slowdown.idxmin()][["scenar
 display(best.reset_index(drop=True))
 
 # %% [markdown]
-# Read it as: the H200 (264 slots) is best served by one fixed 512; MI300X, with 608 slots
-# for the same kernel, is modeled to be best at 256 unless its per-wave fixed cost is well
-# below the H200's — upstream's choice. That is a model on compiled resources, not a
+# Read it as: the H200 (132 SMs, 264 slots) is best served by one fixed 512, measured and
+# modeled; MI300X, with 304 CUs and 608 slots for the same kernel, is modeled to be best at
+# 256 whether its fixed costs are half or twice the H200's — upstream's choice. The fitted
+# fixed cost is the per-wave one (the reduce and launch costs fit to zero once the bandwidth
+# term counts busy compute units). That is a model on compiled resources, not a
 # measurement; an MI300 run of `cpa sweep --grid llama70b-decode` would settle it.
 
 # %% [markdown]

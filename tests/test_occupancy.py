@@ -403,3 +403,48 @@ def test_wave_model_fit_recovers_known_costs():
     with pytest.raises(ValueError, match="need at least 4"):
         O.fit_wave_model(g, measured.iloc[:2], 4.0e12, "x")
     assert isinstance(joined, pd.DataFrame)
+    # costs are never negative: times a plain fit would explain with a negative reduce cost
+    low = measured.assign(time_us=measured.time_us - 10.0 * (g.partitions > 1))
+    fit2, _ = O.fit_wave_model(g, low, 4.0e12, "synthetic")
+    assert min(fit2.t_wave_us, fit2.t_reduce_us, fit2.t_launch_us) >= 0.0 and fit2.t_reduce_us == 0.0
+
+
+def test_nonneg_lstsq():
+    import numpy as np
+
+    from cpa import occupancy as O
+
+    X = np.c_[np.arange(6.0), np.ones(6)]
+    assert O.nonneg_lstsq(X, 2.0 * np.arange(6.0) + 1.0) == pytest.approx([2.0, 1.0])
+    # the unconstrained intercept would be -3: held at 0, the slope refitted alone
+    c = O.nonneg_lstsq(X, 2.0 * np.arange(6.0) - 3.0)
+    assert c[1] == 0.0 and c[0] == pytest.approx(np.dot(np.arange(6.0), 2.0 * np.arange(6.0) - 3.0) / 55.0)
+
+
+def test_wave_model_on_the_shipped_sweep():
+    """Fitted to the shipped H200 sweep (mfma16, every partition size), the model picks the
+    H200's measured best single partition size and 256 on MI300X at 0.5-2x the H200's fixed
+    costs -- the claims notebook 02 makes."""
+    import dataclasses
+
+    from cpa import analysis as A
+    from cpa import hardware as hw
+    from cpa import occupancy as O
+
+    sweep = A.sweep_results("llama70b-decode", mode="shipped")
+    shapes = [dict(num_seqs=int(b), num_heads=64, num_kv_heads=8, max_seq_len=int(c))
+              for b, c in sweep.df[["num_seqs", "max_seq_len"]].drop_duplicates().itertuples(index=False)]
+    g = O.grid_table("sm_90", shapes, tilings=["mfma16"])
+    model, fitted = O.fit_wave_model(g, A.cpa_rows(sweep.df), sweep.ceilings()["read_gbps"] * 1e9, "H200")
+    assert (fitted.model_us > 0).all() and min(model.t_wave_us, model.t_reduce_us, model.t_launch_us) >= 0
+    assert 0.85 < (fitted.model_us / fitted.time_us).median() < 1.15
+    measured = O.single_choice(fitted, "time_us").partition_size.iloc[0]
+    assert O.single_choice(fitted, "model_us").partition_size.iloc[0] == measured == 512
+    frac = model.bw_bytes_per_s / hw.H200.hbm_bandwidth_bytes_per_s
+    g942 = O.grid_table("gfx942", shapes, tilings=["mfma16"])
+    for k in (0.5, 1.0, 2.0):
+        m = dataclasses.replace(model, bw_bytes_per_s=hw.MI300X.hbm_bandwidth_bytes_per_s * frac,
+                                t_wave_us=model.t_wave_us * k, t_reduce_us=model.t_reduce_us * k,
+                                t_launch_us=model.t_launch_us * k)
+        pick = O.single_choice(g942.assign(model_us=m.predict(g942)), "model_us").partition_size.iloc[0]
+        assert pick == 256, (k, pick)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cpa import analysis as A
+from cpa import variants as V
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ def llama():
 def test_shipped_source_and_banner(llama):
     assert llama.source == "shipped" and llama.path == A.shipped_path("llama70b-decode")
     b = llama.banner()
-    assert "Shipped dataset" in b and "NVIDIA H200" in b and "b59554a" in b and "e7697f4" in b  # FlashInfer rows merged
+    assert "Shipped dataset" in b and "NVIDIA H200" in b and "25581d2" in b and "e7697f4" in b  # FlashInfer rows merged
     c = llama.ceilings()
     assert 4000 < c["read_gbps"] < 5000 and 4000 < c["copy_gbps"] < 5000
 
@@ -70,7 +71,7 @@ def test_best_by_point_and_speedups(llama):
 
 def test_partition_table(llama):
     t = A.partition_table(llama.df, "mfma16")
-    assert t.shape == (56, 5) and list(t.columns) == [64, 128, 256, 512, 1024]
+    assert t.shape == (56, 8) and list(t.columns) == list(V.PARTITION_SIZES)
     assert t.notna().all().all()
 
 
