@@ -91,3 +91,17 @@ def test_cluster_rules():
     assert not V.cluster_default("sm_90", 16, 1, 8, 132)  # 128
     assert not V.cluster_default("sm_90", 17, 1, 1, 132)  # too many partitions for a cluster
     assert not V.cluster_default("gfx942", 4, 1, 8, 304)  # no clusters on AMD
+
+
+def test_shared_steps_need_two_steps_per_wave():
+    # 4 waves x 2 steps of the tiling's tokens per partition at least
+    def v(platform, p, tiling="mfma16"):
+        return V.variant_for(tiling=tiling, partition_size=p, head_size=128, block_size=16, dtype="fp16",
+                             kv_cache_dtype="auto", gqa_ratio=4, platform=platform)
+
+    for platform in ("cuda", "hip"):
+        for tiling in V.TILINGS:
+            need = 2 * V.NUM_WAVES * v(platform, 256, tiling).tokens_per_step
+            assert V.shared_steps_unsupported(v(platform, need, tiling)) is None
+            assert f"{need} tokens per partition" in V.shared_steps_unsupported(v(platform, need // 2, tiling))
+    assert "KV_ASYNC" in V.shared_steps_unsupported(v("cuda", 1024), kv_async=True)
