@@ -69,15 +69,8 @@ def test_tables_complete(arch):
     got = set(df.variant)
     assert got == names, f"{len(names - got)} documented variants missing, {len(got - names)} extra"
     assert len(df) == len(KERNELS) * len(got) and set(df.kernel) == KERNELS
-    # one snapshot of cpa/csrc per table -- per partition size for gfx90a, whose partitions
-    # 2048 / 4096 and 8192 were compiled later than the rest (data/static/README.md; CI's
-    # recompiled subset checks that the older rows still match)
-    if arch == "gfx90a":
-        assert (df.groupby("partition_size").sources_digest.nunique() == 1).all()
-        assert df[~df.partition_size.isin([2048, 4096, 8192])].sources_digest.nunique() == 1
-        assert df[df.partition_size.isin([2048, 4096])].sources_digest.nunique() == 1
-    else:
-        assert df.sources_digest.nunique() == 1
+    # one snapshot of cpa/csrc per table (data/static/README.md)
+    assert df.sources_digest.nunique() == 1
     if arch.startswith("gfx"):
         assert (df.waves_per_simd_compiler >= 1).all()
         # 4 waves of 64 per workgroup; the block-wide reduce has 128 threads since e32031f
