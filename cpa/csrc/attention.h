@@ -453,6 +453,17 @@ struct SharedSteps {
     return shfl_idx_i32(raw, over > 0 ? num_seq_blocks - 1 - b0 : lane_id());
   }
   CPA_DEVICE int take() { return lane_id() == 0 ? atomic_add_i32(ctr, 1) : 0; }
+  // The next step is the ticket taken a step ago (nq: none); while there are steps, take the
+  // ticket after it and read the next step's table entries.
+  CPA_DEVICE void advance() {
+    nxt = q_pool + shfl_idx_i32(ticket, 0);
+    if (nxt < nq) {
+      ticket = take();
+      ent_next = src.physical_block(nxt * T + l_blk);
+    } else {
+      nxt = nq;
+    }
+  }
 
   CPA_DEVICE SharedSteps(float*, const Cache& cache, int, int, const typename KVSteps<Cfg>::Table&,
                          const AttnParams& p, int seq, int kvh, int part, int raw0) {
@@ -466,15 +477,7 @@ struct SharedSteps {
     ticket = take();  // the step after the first
     nxt = part * NW + wave_id();
     ent_next = nxt < nq ? fix(raw0, nxt, cache.num_seq_blocks) : 0;
-    if (nxt >= nq) {  // no first step of its own (a short sequence): start from the ticket
-      nxt = q_pool + shfl_idx_i32(ticket, 0);
-      if (nxt < nq) {
-        ticket = take();
-        ent_next = src.physical_block(nxt * T + l_blk);
-      } else {
-        nxt = nq;
-      }
-    }
+    if (nxt >= nq) advance();  // no first step of its own (a short sequence): start from the ticket
   }
   CPA_DEVICE int begin(int) const { return nxt * T; }
   CPA_DEVICE int stop(int) const { return nq * T; }
@@ -485,13 +488,7 @@ struct SharedSteps {
     src.entry[0] = ent_next;
     src.tok0 = tok0;
     Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, src, tok0, partial);
-    nxt = q_pool + shfl_idx_i32(ticket, 0);
-    if (nxt < nq) {
-      ticket = take();
-      ent_next = src.physical_block(nxt * T + l_blk);
-    } else {
-      nxt = nq;
-    }
+    advance();
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
     if constexpr (CPA_V_AFTER_QK != 0) {
