@@ -249,6 +249,20 @@ def test_reduce_kernel_choice(c):
     assert err <= reference.REL_ERR_TOL[inp.query.dtype], f"output relative error {err:.3g}"
 
 
+def launch_poisoned_and_check(launch, out, ref, what):
+    """One launch into a NaN-filled `out`: every element written, within the reference's
+    tolerance (per sequence)."""
+    from cpa import reference
+
+    out.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    tol = reference.REL_ERR_TOL[out.dtype]
+    err = reference.relative_error(out, ref, per_seq=True)
+    assert err <= tol, f"{what} output relative error {err:.3g} > {tol:g}"
+
+
 # The cluster combine (sm_90+): (partition size, partitions = cluster size) pairs that cover
 # the portable and non-portable sizes, odd sizes and 8192-token partitions; every tiling with
 # a 16-bit and an fp8 cache, then every other axis.
@@ -294,15 +308,9 @@ def test_cluster_reduce(c):
     out = torch.full_like(inp.query, float("nan"))
     launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling=c["tiling"], out=out, cluster_reduce=True)
     assert launch.cluster == n and launch.reduce_args is None and launch.tmp_out is None
-    tol = reference.REL_ERR_TOL[inp.query.dtype]
     first = None
     for _ in range(3):
-        out.fill_(float("nan"))
-        launch()
-        torch.cuda.synchronize()
-        assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
-        err = reference.relative_error(out, ref, per_seq=True)
-        assert err <= tol, f"cluster output relative error {err:.3g} > {tol:g}"
+        launch_poisoned_and_check(launch, out, ref, "cluster")
         if first is None:
             first = out.clone()
         else:
@@ -393,12 +401,7 @@ def test_shared_steps(c):
     ref = reference.paged_attention(**inp.as_kwargs())
     tol = reference.REL_ERR_TOL[inp.query.dtype]
     for _ in range(3):
-        out.fill_(float("nan"))
-        launch()
-        torch.cuda.synchronize()
-        assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
-        err = reference.relative_error(out, ref, per_seq=True)
-        assert err <= tol, f"shared-steps output relative error {err:.3g} > {tol:g}"
+        launch_poisoned_and_check(launch, out, ref, "shared-steps")
         assert int(launch.steal_counters.abs().sum()) == 0, "step counters not reset"
     out.fill_(float("nan"))
     launch.attention()
