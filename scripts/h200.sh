@@ -2,7 +2,7 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async,
-# ab-reduce, clusters, bench, sweep:<grid>, repeat, profile.
+# ab-reduce, clusters, bench, sweep:<grid>, repeat, profile, sass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -160,6 +160,30 @@ PYEOF
           CPA_NVCC_FLAGS="-DCPA_KV_ASYNC=$n" timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 \
             $PY -m cpa.selfcheck --small 2>&1 | tail -3
           echo "compute-sanitizer $tool with -DCPA_KV_ASYNC=$n rc=${PIPESTATUS[0]}"
+        done
+      done
+      ;;
+    sass)
+      # SASS of the attention kernel for CPA_SASS_TARGETS (';'-separated "tiling P"; fp16, head
+      # 128, block 16, GQA 8) under each CPA_STALL_FLAGS build: $OUT/sass-<flags>-<tiling>-<P>.txt
+      IFS=';' read -ra builds <<< "${CPA_STALL_FLAGS:-}"; [ ${#builds[@]} = 0 ] && builds=("")
+      IFS=';' read -ra targets <<< "${CPA_SASS_TARGETS:-mfma16 8192}"
+      for F in "${builds[@]}"; do
+        for T in "${targets[@]}"; do
+          read -r til P <<< "$T"; tag=$(echo "${F:-default}-$til-$P" | tr -c 'A-Za-z0-9\n-' _ | sed 's/^_*//')
+          d=$(mktemp -d)
+          $PY - "$til" "$P" > "$d/tu.cu" <<'PYEOF'
+import sys, torch
+import cpa.variants as V, cpa.static as S
+v = V.variant_for(tiling=sys.argv[1], partition_size=int(sys.argv[2]), head_size=128, block_size=16,
+                  dtype=torch.float16, kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
+print(S._tu_source([v]))
+PYEOF
+          nvcc -std=c++17 -arch=sm_90 -O3 -Icpa/csrc $F "$d/tu.cu" -cubin -o "$d/tu.cubin" \
+            && cuobjdump -sass -fun paged_attention_kernel "$d/tu.cubin" > "$OUT/sass-$tag.txt" 2>&1 \
+            || cuobjdump -sass "$d/tu.cubin" > "$OUT/sass-$tag.txt"
+          echo "sass [$F] [$T]: $(grep -c '^ */\*[0-9a-f]*\*/' "$OUT/sass-$tag.txt") instructions"
+          rm -rf "$d"
         done
       done
       ;;

@@ -28,6 +28,11 @@ namespace cpa {
 #ifndef CPA_V_AFTER_QK
 #define CPA_V_AFTER_QK 0
 #endif
+// 1: an experiment, never a variant: the main loop loads every step and folds its registers
+// with XORs instead of QK / softmax / PV, so the bench times the loads alone (output wrong).
+#ifndef CPA_LOAD_ONLY
+#define CPA_LOAD_ONLY 0
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -675,11 +680,24 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
                                                                         part, steal_raw);
   // (the fixed loop is spelled out: through the methods, clang's loop passes see another
   // shape and gfx942 allocates differently)
+#if CPA_LOAD_ONLY
+  constexpr int LOAD_ACC = CPA_LOAD_ONLY == 2 ? 64 : 1;
+  uint32_t load_acc[LOAD_ACC] = {};
+#endif
   for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : end);
        tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     steps.load(kv, tok0, partial, tok0 + STRIDE);
+#if CPA_LOAD_ONLY
+    {  // memory-side experiment: fold the step's registers with XORs, no math (wrong output);
+       // 2: into LOAD_ACC loop-carried registers, to hold the real kernel's register count
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(&kv);
+#pragma unroll
+      for (int i = 0; i < int(sizeof(kv) / 4); ++i) load_acc[i % LOAD_ACC] ^= w[i];
+      continue;
+    }
+#endif
     float s[NS];
     Tl::qk(s, q, kv, smem);
     steps.after_qk(kv, tok0, partial);
@@ -715,6 +733,10 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     Tl::pv(o, s, kv, smem);
   }
   steps.finish();
+#if CPA_LOAD_ONLY
+#pragma unroll
+  for (int i = 0; i < LOAD_ACC; ++i) o[0] += (float)(load_acc[i] & 1u);
+#endif
 
 #pragma unroll
   for (int lh = 0; lh < LH; ++lh) l[lh] = Tl::reduce_sum(l[lh]);
