@@ -192,11 +192,11 @@ struct RingKV {
 template <class T, bool FP8, bool SMEM = false>
 CPA_DEVICE void load8_elems(uint32_t (&r)[4], const uint8_t* p) {
   if constexpr (FP8) {
-    u32x2 w = SMEM ? lds8(p) : load8(p);
+    u32x2 w = SMEM ? lds8(p) : load8_kv(p);
     u32x2 a = fp8x4_to_16bit<T>(w.x), b = fp8x4_to_16bit<T>(w.y);
     r[0] = a.x; r[1] = a.y; r[2] = b.x; r[3] = b.y;
   } else {
-    u32x4 w = SMEM ? lds16(p) : load16(p);
+    u32x4 w = SMEM ? lds16(p) : load16_kv(p);
     r[0] = w.x; r[1] = w.y; r[2] = w.z; r[3] = w.w;
   }
 }
@@ -204,7 +204,7 @@ CPA_DEVICE void load8_elems(uint32_t (&r)[4], const uint8_t* p) {
 // caches, 8 registers (16 elements) for fp8. N must be 16 / ELEM / 2 * ... = X / 2.
 template <class T, bool FP8, bool SMEM = false>
 CPA_DEVICE void load_chunk(uint32_t (&r)[FP8 ? 8 : 4], const uint8_t* p) {
-  u32x4 w = SMEM ? lds16(p) : load16(p);
+  u32x4 w = SMEM ? lds16(p) : load16_kv(p);
   if constexpr (FP8) {
     u32x2 a = fp8x4_to_16bit<T>(w.x), b = fp8x4_to_16bit<T>(w.y);
     u32x2 c = fp8x4_to_16bit<T>(w.z), d = fp8x4_to_16bit<T>(w.w);

@@ -147,6 +147,58 @@ CPA_DEVICE u32x2 load8(const void* p) {
   return {v.x, v.y};
 #endif
 }
+// Loads of the KV cache, read once per launch. CPA_KV_LOAD_HINT (NVIDIA) picks the PTX cache
+// hints, an A/B knob: 0 __ldg; 1 .L1::no_allocate; 2 .L2::256B (the L2 fetches the whole
+// 256-byte-aligned chunk from DRAM); 3 both; 4 .L2::128B; 5 1 + 2 + an L2 evict_first policy.
+#ifndef CPA_KV_LOAD_HINT
+#define CPA_KV_LOAD_HINT 0
+#endif
+#if CPA_CUDA && CPA_KV_LOAD_HINT
+#if CPA_KV_LOAD_HINT == 1
+#define CPA_KV_LD "ld.global.nc.L1::no_allocate"
+#elif CPA_KV_LOAD_HINT == 2
+#define CPA_KV_LD "ld.global.nc.L2::256B"
+#elif CPA_KV_LOAD_HINT == 3
+#define CPA_KV_LD "ld.global.nc.L1::no_allocate.L2::256B"
+#elif CPA_KV_LOAD_HINT == 4
+#define CPA_KV_LD "ld.global.nc.L2::128B"
+#else
+#define CPA_KV_LD "ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B"
+#endif
+CPA_DEVICE uint64_t kv_l2_policy() {
+  uint64_t pol = 0;
+#if CPA_KV_LOAD_HINT == 5
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+  return pol;
+}
+#endif
+CPA_DEVICE u32x4 load16_kv(const void* p) {
+#if CPA_CUDA && CPA_KV_LOAD_HINT
+  u32x4 v;
+#if CPA_KV_LOAD_HINT == 5
+  asm(CPA_KV_LD ".v4.u32 {%0, %1, %2, %3}, [%4], %5;" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(kv_l2_policy()));
+#else
+  asm(CPA_KV_LD ".v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
+  return v;
+#else
+  return load16(p);
+#endif
+}
+CPA_DEVICE u32x2 load8_kv(const void* p) {
+#if CPA_CUDA && CPA_KV_LOAD_HINT
+  u32x2 v;
+#if CPA_KV_LOAD_HINT == 5
+  asm(CPA_KV_LD ".v2.u32 {%0, %1}, [%2], %3;" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(kv_l2_policy()));
+#else
+  asm(CPA_KV_LD ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+#endif
+  return v;
+#else
+  return load8(p);
+#endif
+}
 // Loads of data other workgroups wrote during this launch: served by the L2, not a
 // possibly stale L1 line (NVIDIA ld.global.cg; on AMD the agent-scope acquire fence
 // before them invalidates the vector L1).
