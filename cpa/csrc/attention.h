@@ -697,6 +697,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     {  // memory-side experiment: the step's K and V blocks by cp.async into the wave's 8 KB
        // slot (overwritten, never read), one step left in flight while the next is issued
       using KS = KVSteps<Cfg>;
+      if constexpr (!kShared) {  // (the shared-steps instantiation: not measured)
       if constexpr (KS::kTabled) steps.c.advance(tok0);
       constexpr int BB = HEAD * BLOCK * (Cfg::fp8 ? 1 : 2);  // bytes of one block of K (or V)
       uint8_t* slot = reinterpret_cast<uint8_t*>(load_slot) + wave_id() * 8192;
@@ -712,6 +713,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
       }
       cp_async_commit();
       asm volatile("cp.async.wait_group 1;" ::: "memory");
+      }
       load_acc[0] += 1;
       continue;
     }
