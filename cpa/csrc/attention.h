@@ -698,7 +698,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
        // slot (overwritten, never read), one step left in flight while the next is issued
       using KS = KVSteps<Cfg>;
       if constexpr (!kShared) {  // (the shared-steps instantiation: not measured)
-      if constexpr (KS::kTabled) steps.c.advance(tok0);
+      // (steps.load above has advanced the table and its loads, unused, are dropped)
       constexpr int BB = HEAD * BLOCK * (Cfg::fp8 ? 1 : 2);  // bytes of one block of K (or V)
       uint8_t* slot = reinterpret_cast<uint8_t*>(load_slot) + wave_id() * 8192;
 #pragma unroll

@@ -148,10 +148,12 @@ CPA_DEVICE u32x2 load8(const void* p) {
 #endif
 }
 // Loads of the KV cache, read once per launch. CPA_KV_LOAD_HINT (NVIDIA) picks the PTX cache
-// hints, an A/B knob: 0 __ldg; 1 .L1::no_allocate; 2 .L2::256B (the L2 fetches the whole
-// 256-byte-aligned chunk from DRAM); 3 both; 4 .L2::128B; 5 1 + 2 + an L2 evict_first policy.
+// hints: 0 __ldg; 1 .L1::no_allocate (default: the lines are used once, by the load that
+// brings them; measured 0.987x the time of 0, notes/kernel-notes.md); 2 .L2::256B (the L2
+// fetches the whole 256-byte chunk from DRAM: 1.07x slower at 8 x 32k); 3 both; 4 .L2::128B;
+// 5 1 + 2 + an L2 evict_first policy. No-op on HIP.
 #ifndef CPA_KV_LOAD_HINT
-#define CPA_KV_LOAD_HINT 0
+#define CPA_KV_LOAD_HINT 1
 #endif
 #if CPA_CUDA && CPA_KV_LOAD_HINT
 #if CPA_KV_LOAD_HINT == 1
