@@ -98,6 +98,15 @@ def test_builtin_grids_expand():
 
     mixed = S.load_grid("mixed-lengths")
     assert mixed.points and not any(p.fixed_length for p in mixed.points)
+
+    kvd = S.load_grid("kv-dtype-scan")
+    assert {(p.dtype, p.kv_cache_dtype) for p in kvd.points} == {
+        (d, k) for d in ("fp16", "bf16") for k in ("auto", "fp8")}
+    assert len(kvd.points) == 16 and len(kvd.rows()) == 16 * 3 * 6
+    fp8 = [p for p in kvd.points if p.kv_cache_dtype == "fp8"]
+    auto = {(p.dtype, p.num_seqs, p.max_seq_len): p.kv_bytes for p in kvd.points if p.kv_cache_dtype == "auto"}
+    for p in fp8:  # an fp8 cache reads half the bytes of the 16-bit point it is paired with
+        assert 2 * p.kv_bytes == auto[(p.dtype, p.num_seqs, p.max_seq_len)]
     for gname in S.builtin_grids():  # every shipped grid loads and has unique point ids
         gg = S.load_grid(gname)
         assert len({p.point_id for p in gg.points}) == len(gg.points)
