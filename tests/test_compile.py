@@ -146,6 +146,26 @@ def test_sm90_staged_loop_uses_cp_async_only_when_asked(tmp_path, arm):
         assert "cp.async" not in direct[v.name]
 
 
+def test_sm90_split_staged_loop(tmp_path):
+    """-DCPA_KV_ASYNC=4: K and V of a step are their own cp.async groups (two commits per step
+    plus the first step's two), and the mma variants compile without spills (correctness and
+    speed: `CPA_AB_FLAG=-DCPA_KV_ASYNC=4 bash scripts/h200.sh ab-flag` on the H200)."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    res, split = _sm90_attention(tmp_path, _STAGED, ["-DCPA_KV_ASYNC=4"])
+    for v in _STAGED:
+        if v.tiling == "scalar":
+            assert "cp.async" not in split[v.name]
+            continue
+        body = split[v.name]
+        assert body.count("cp.async.commit_group") == 4, v.name
+        # (the instruction list: the step's wait for K, and the wait for V -- all but the
+        # newest group, or all on the last step)
+        assert body.count("cp.async.wait_group") >= 3, v.name
+        r = res[v.name]
+        assert r["spill_stores"] + r["spill_loads"] == 0 and r["registers"] <= 255, (v.name, r)
+
+
 def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     """-DCPA_KV_ASYNC=3: the mma tilings fill their rings with TMA bulk copies that complete on
     mbarriers (no per-16-byte cp.async), read them with ld.shared, and the main variant keeps

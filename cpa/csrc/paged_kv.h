@@ -12,6 +12,9 @@
 // 3: a ring of several block slots per wave, filled by bulk copies (TMA, sm_90) that complete
 // on mbarriers: each slot is refilled, RING blocks ahead, as soon as the wave has read it, so
 // about 1.5 steps per wave stay in flight during the math (RingKV).
+// 4: the slot of 2, with K and V as separate cp.async groups, each refilled with the next
+// step's as soon as it is read into registers (K before QK, V after it): about one step per
+// wave always in flight, K and V never live together (attention.h, KVSteps).
 // 0: each step loads K and V straight into registers. An A/B knob: CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=1.
 #ifndef CPA_KV_ASYNC
 #define CPA_KV_ASYNC 0
@@ -115,7 +118,9 @@ struct StagedKV {
     for (int b = 0; b < NBLK; ++b) boff[b] = c.block_offset(tok0 + b * BLOCK);
   }
 #if CPA_CUDA
-  // Copy the step whose block offsets are boff into the slot: one commit group per step.
+  // Copy the step whose block offsets are boff into the slot: one commit group per step
+  // (PARTS = kLoadKV), or K or V alone as its own group (the split loop, -DCPA_KV_ASYNC=4).
+  template <int PARTS = 3>
   CPA_DEVICE void issue(const Cache& c, const int64_t (&boff)[NBLK]) const {
     constexpr int PER_LANE = SLAB / (16 * kWave);
     const int lane16 = 16 * lane_id();
@@ -124,8 +129,8 @@ struct StagedKV {
 #pragma unroll
       for (int j = 0; j < PER_LANE; ++j) {
         const int at = j * 16 * kWave + lane16;
-        cp_async16(k + b * SLAB + k_pos(at / (16 * BLOCK), (at / 16) % BLOCK), c.k + boff[b] + at);
-        cp_async16(k + (NBLK + b) * SLAB + v_pos(b, at), c.v + boff[b] + at);
+        if (PARTS & 1) cp_async16(k + b * SLAB + k_pos(at / (16 * BLOCK), (at / 16) % BLOCK), c.k + boff[b] + at);
+        if (PARTS & 2) cp_async16(k + (NBLK + b) * SLAB + v_pos(b, at), c.v + boff[b] + at);
       }
     cp_async_commit();
   }

@@ -350,6 +350,7 @@ CPA_DEVICE void cp_async16(void* smem, const void* g) {
 }
 CPA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 CPA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+CPA_DEVICE void cp_async_wait_but_newest() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 
 // Bulk copies (the TMA engine, sm_90) into shared memory, completing on an mbarrier: one lane
 // moves a whole contiguous run without registers or per-16-byte instructions. Only the
