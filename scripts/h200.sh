@@ -195,7 +195,8 @@ PYEOF
       # several builds of the kernel back to back in one process tree, each arm's bench variants
       # prebuilt first: CPA_AB_ARMS="flags0|flags1|..." (an empty arm is the default build),
       # CPA_AB_ARGS the bench options; $OUT/arm-<i>.csv per arm, in arm order
-      IFS='|' read -r -a arms <<< "${CPA_AB_ARMS:?set CPA_AB_ARMS}"
+      # (the appended '|' keeps a trailing empty arm, which read -a would drop)
+      IFS='|' read -r -a arms <<< "${CPA_AB_ARMS?set CPA_AB_ARMS}|"
       i=0
       for F in "${arms[@]}"; do
         echo "--- arm $i: '${F}'"
