@@ -298,21 +298,24 @@ struct KVSteps<Cfg, true> {
     j0 += Ring::NBLK;
   }
 };
-#elif CPA_CUDA && CPA_KV_ASYNC == 4
-// Split: K and V of a step are separate cp.async groups in the wave's slot, and each half is
-// refilled with the next step's as soon as it is read into registers -- K before QK, V after
-// it -- so about one step per wave is always in flight, no register holds a load in flight,
-// and K and V are never live together. Outstanding groups at a step's start: [K(n), V(n)].
+#elif CPA_CUDA
+// Slot (arms 1, 2): a step's K and V are one cp.async group; a step waits for its group, reads
+// the slot, then the slot takes the next step's copies.
+// Split (arm 4): K and V of a step are separate groups in the slot, and each half is refilled
+// with the next step's as soon as it is read into registers -- K before QK, V after it -- so
+// about one step per wave is always in flight, no register holds a load in flight, and K and
+// V are never live together. Outstanding groups at a step's start: [K(n), V(n)].
 template <class Cfg>
 struct KVSteps<Cfg, true> {
   using Tl = typename Cfg::Tiles;
   using St = typename Tl::Staged;
   using Cache = typename St::Cache;
+  static constexpr bool kSplit = CPA_KV_ASYNC == 4;
   const Cache& c;
   St st;
   int end;
-  bool more = false;                 // a next step exists (its K was issued in load())
-  int64_t next_boff[St::NBLK] = {};  // its cache offsets
+  bool more = false;                 // (split) a next step exists: its K was issued in load()
+  int64_t next_boff[St::NBLK] = {};  // (split) its cache offsets
   struct Table {};
   CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
   CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&)
@@ -321,67 +324,52 @@ struct KVSteps<Cfg, true> {
     if (first < end) {
       int64_t boff[St::NBLK];
       St::offsets(boff, c, first);
-      st.template issue<kLoadK>(c, boff);
-      st.template issue<kLoadV>(c, boff);
+      if constexpr (kSplit) {
+        st.template issue<kLoadK>(c, boff);
+        st.template issue<kLoadV>(c, boff);
+      } else {
+        st.issue(c, boff);
+      }
     }
   }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int next) {
-    more = next < end;
-    if (more) St::offsets(next_boff, c, next);  // block-table reads first: they overlap the wait
-    cp_async_wait_but_newest();  // K(n); V(n) may still be in flight
-    wave_sync();
-    st.tok0 = tok0;
-    Tl::template load_kv<kLoadK>(kv, st, tok0, partial);
-    if (more) {
-      wave_sync();  // every lane has read K(n)
-      st.template issue<kLoadK>(c, next_boff);  // groups: [V(n), K(n+1)]
+    if constexpr (kSplit) {
+      more = next < end;
+      if (more) St::offsets(next_boff, c, next);  // block-table reads first: they overlap the wait
+      cp_async_wait_but_newest();  // K(n); V(n) may still be in flight
+      wave_sync();
+      st.tok0 = tok0;
+      Tl::template load_kv<kLoadK>(kv, st, tok0, partial);
+      if (more) {
+        wave_sync();  // every lane has read K(n)
+        st.template issue<kLoadK>(c, next_boff);  // groups: [V(n), K(n+1)]
+      }
+    } else {
+      const bool more = next < end;
+      int64_t boff[St::NBLK];
+      if (more) St::offsets(boff, c, next);  // block-table reads first: they overlap the wait
+      cp_async_wait_all();
+      wave_sync();  // every lane's copies of this step are visible
+      st.tok0 = tok0;
+      Tl::load_kv(kv, st, tok0, partial);
+      if (more) {
+        wave_sync();  // every lane has read the slot
+        st.tok0 = next;
+        st.issue(c, boff);
+      }
     }
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
-    if (more) cp_async_wait_but_newest(); else cp_async_wait_all();  // V(n)
-    wave_sync();
-    Tl::template load_kv<kLoadV>(kv, st, tok0, partial);
-    if (more) {
-      wave_sync();  // every lane has read V(n)
-      st.template issue<kLoadV>(c, next_boff);  // groups: [K(n+1), V(n+1)]
-    }
+    if constexpr (kSplit) {
+      if (more) cp_async_wait_but_newest(); else cp_async_wait_all();  // V(n)
+      wave_sync();
+      Tl::template load_kv<kLoadV>(kv, st, tok0, partial);
+      if (more) {
+        wave_sync();  // every lane has read V(n)
+        st.template issue<kLoadV>(c, next_boff);  // groups: [K(n+1), V(n+1)]
+      }
+    }  // (slot: V came with K)
   }
-};
-#elif CPA_CUDA
-template <class Cfg>
-struct KVSteps<Cfg, true> {
-  using Tl = typename Cfg::Tiles;
-  using St = typename Tl::Staged;
-  using Cache = typename St::Cache;
-  const Cache& c;
-  St st;
-  int end;
-  struct Table {};
-  CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
-  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&)
-      : c(c), st{reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * St::BYTES, first, c.seq_len},
-        end(end) {
-    if (first < end) {
-      int64_t boff[St::NBLK];
-      St::offsets(boff, c, first);
-      st.issue(c, boff);
-    }
-  }
-  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int next) {
-    const bool more = next < end;
-    int64_t boff[St::NBLK];
-    if (more) St::offsets(boff, c, next);  // block-table reads first: they overlap the wait
-    cp_async_wait_all();
-    wave_sync();  // every lane's copies of this step are visible
-    st.tok0 = tok0;
-    Tl::load_kv(kv, st, tok0, partial);
-    if (more) {
-      wave_sync();  // every lane has read the slot
-      st.tok0 = next;
-      st.issue(c, boff);
-    }
-  }
-  CPA_DEVICE void after_qk(typename Tl::KV&, int, bool) {}  // V came with K from the slot
 };
 #endif
 
@@ -771,7 +759,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
         }
       }
       cp_async_commit();
-      asm volatile("cp.async.wait_group 1;" ::: "memory");
+      cp_async_wait_but_newest();
       continue;
     }
 #endif
