@@ -108,14 +108,14 @@ PYEOF
           case "$T" in sdpa*) K="-c 6";; *) K="-k regex:paged_attention_kernel -s 1 -c 1";; esac
           CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none --profile-from-start off $K --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-            --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
+            --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
           echo "ncu [$F] [$T] rc=$?"
         done
       done
       $PY - "$OUT" <<'PYEOF'
 import glob, io, sys
 import pandas as pd
-show = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__grid_size",
+show = ("gpu__time_duration.sum", "dram__bytes_read.sum", "lts__t_sectors_srcunit_tex_op_read.sum", "launch__registers_per_thread", "launch__grid_size",
         "sm__warps_active.avg.pct_of_peak_sustained_active", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
         "lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
         "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
@@ -204,6 +204,21 @@ PYEOF
         CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS='$F' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
           timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$i.csv" 2>&1 \
           | grep -A14 "best_us" | head -14
+        i=$((i + 1))
+      done
+      ;;
+    sweep-arms)
+      # several builds (CPA_AB_ARMS as for ab-arms) over one sweep grid (CPA_ARM_GRID, a name or
+      # YAML file; CPA_ARM_SWEEP_ARGS more `cpa sweep` options), each verified row by row:
+      # $OUT/sweep-arm-<i>.parquet per arm, in arm order
+      IFS='|' read -r -a arms <<< "${CPA_AB_ARMS?set CPA_AB_ARMS}|"
+      i=0
+      for F in "${arms[@]}"; do
+        echo "--- arm $i: '${F}'"; t0=$SECONDS
+        CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS='$F' python3 -m cpa sweep --grid ${CPA_ARM_GRID:?set CPA_ARM_GRID} --no-peers ${CPA_ARM_SWEEP_ARGS:-}" \
+          timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa sweep --grid "$CPA_ARM_GRID" --no-peers --no-progress \
+          ${CPA_ARM_SWEEP_ARGS:-} --out "$OUT/sweep-arm-$i.parquet" 2>&1 | grep -v "^sweep: prebuilt\|Warning" | tail -14
+        echo "arm $i: $((SECONDS - t0)) s"
         i=$((i + 1))
       done
       ;;

@@ -177,6 +177,33 @@ def test_unsupported_head_size_refused():
         cpa.paged_attention(**inp.as_kwargs())
 
 
+@pytest.mark.parametrize("dtype", V.DTYPES)
+@pytest.mark.parametrize("tiling", V.TILINGS)
+def test_fp8_decodes_every_byte(tiling, dtype):
+    """Every finite e4m3 byte through the kernel's decode, bit-exact: with one token per
+    sequence the output is that token's V row times v_scale (softmax weight 1), so each output
+    element is one decoded byte (subnormals, both zeros and +-448 included)."""
+    import cpa.ops as ops
+    from cpa.inputs import FP8_E4M3_NAN_BYTE, make_paged_inputs
+    from cpa.jit import device_arch
+
+    _variant_or_skip(dict(BASE, tiling=tiling, partition_size=256, dtype=dtype, kv="fp8"), device_arch()[0])
+    gqa, kv_heads, head = 8, 2, 128
+    inp = make_paged_inputs(2, gqa * kv_heads, kv_heads, head, 16, [1, 1], dtype=TORCH_DTYPE[dtype],
+                            kv_cache_dtype="fp8", seed=11, device="cuda")
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != FP8_E4M3_NAN_BYTE], dtype=torch.uint8)
+    rows = finite.repeat(2)[: 2 * kv_heads * head].view(2, kv_heads, head)  # [seq, kv head, d]: all 254 bytes
+    blocks = inp.block_tables[:, 0].long()
+    vc = inp.value_cache
+    vc[blocks, :, :, 0] = rows.to(vc.device)  # token 0 of each sequence's first block
+    out = torch.full_like(inp.query, float("nan"))
+    ops.prepare(**inp.as_kwargs(), partition_size=256, tiling=tiling, out=out)()
+    torch.cuda.synchronize()
+    decoded = rows.view(torch.float8_e4m3fn).float() * inp.v_scale  # [seq, kv head, d]
+    want = decoded.repeat_interleave(gqa, dim=1).to(out.dtype)      # query head h reads KV head h // gqa
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
+
+
 FUSED_CASES = [dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv) for t in V.TILINGS for p in (64, 256, 1024)
                for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
 

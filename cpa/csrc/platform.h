@@ -456,26 +456,52 @@ template <class T> CPA_DEVICE float hi_f(uint32_t w) { return T::to_float((uint1
 // ---------------------------------------------------------------- fp8 e4m3fn
 // Two e4m3fn bytes (b0 in bits 0-7, b1 in bits 8-15 of w) -> two fp16 bit patterns whose
 // values are exactly the fp8 values / 256 (fp8 subnormals land on fp16 subnormals). The
-// factor 256 is folded into the k/v scales by the kernel. NaN bytes become finite values:
-// a KV cache never holds NaN in slots a sequence uses.
+// factor 256 is folded into the k/v scales by the host (cpa.ops). NaN bytes become finite
+// values: a KV cache never holds NaN in slots a sequence uses.
 CPA_DEVICE uint32_t fp8x2_to_half2_div256(uint32_t w) {
   uint32_t x = ((w & 0xffu) << 8) | ((w & 0xff00u) << 16);  // b0 -> bits 8-15, b1 -> 24-31
   return (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
 }
+// 1 (the default; NVIDIA sm_89+ only): e4m3 pairs decode with the hardware conversion
+// (cvt.rn.f16x2.e4m3x2, exact) and one multiply by 2^-8 (exact: e4m3 values have <= 4
+// significant bits and fp16 arithmetic keeps subnormals): the same value / 256 as the bit
+// trick above in about a third of the instructions (H200, 8 x 32k fp8 cache: 1.4x faster
+// with fp16 queries, 1.6x with bf16). NaN bytes decode to NaN here; the kernel masks unused
+// slots either way. 0: the bit trick (always on AMD and before sm_89).
+#ifndef CPA_FP8_CVT
+#define CPA_FP8_CVT 1
+#endif
 // Four bytes -> two packed 16-bit registers of type T (fp16 or bf16), value / 256.
 template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
+#if CPA_CUDA && CPA_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h01, h23;
+  asm("{ .reg .b16 lo, hi;\n"
+      "  mov.b32 {lo, hi}, %2;\n"
+      "  cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+      "  cvt.rn.f16x2.e4m3x2 %1, hi;\n"
+      "  mul.rn.f16x2 %0, %0, %3;\n"
+      "  mul.rn.f16x2 %1, %1, %3; }"
+      : "=r"(h01), "=r"(h23) : "r"(w), "r"(0x1c001c00u));  // 0x1c00: fp16 2^-8
+#else
   uint32_t h01 = fp8x2_to_half2_div256(w & 0xffffu);
   uint32_t h23 = fp8x2_to_half2_div256(w >> 16);
+#endif
   if constexpr (!T::is_bf16) {
     return {h01, h23};
   } else {
     // fp16 -> fp32 is exact; these values have <= 4 significant bits, so truncating fp32
     // to bf16 is exact too.
+#if CPA_CUDA && CPA_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    // (the high halves of two fp32 in one byte permute)
+    return {__byte_perm(__float_as_uint(lo_to_float_f16(h01)), __float_as_uint(hi_to_float_f16(h01)), 0x7632),
+            __byte_perm(__float_as_uint(lo_to_float_f16(h23)), __float_as_uint(hi_to_float_f16(h23)), 0x7632)};
+#else
     uint32_t a = __float_as_uint(lo_to_float_f16(h01)) >> 16;
     uint32_t b = __float_as_uint(hi_to_float_f16(h01)) & 0xffff0000u;
     uint32_t c = __float_as_uint(lo_to_float_f16(h23)) >> 16;
     uint32_t d = __float_as_uint(hi_to_float_f16(h23)) & 0xffff0000u;
     return {a | b, c | d};
+#endif
   }
 }
 
