@@ -192,7 +192,7 @@ def test_fp8_decodes_every_byte(tiling, dtype):
     inp = make_paged_inputs(2, gqa * kv_heads, kv_heads, head, 16, [1, 1], dtype=TORCH_DTYPE[dtype],
                             kv_cache_dtype="fp8", seed=11, device="cuda")
     finite = torch.tensor([b for b in range(256) if b & 0x7F != FP8_E4M3_NAN_BYTE], dtype=torch.uint8)
-    rows = finite.repeat(2)[: 2 * kv_heads * head].view(2, kv_heads, head)  # [seq, kv head, d]: all 254 bytes
+    rows = finite.repeat(3)[: 2 * kv_heads * head].view(2, kv_heads, head)  # [seq, kv head, d]: all 254 bytes
     blocks = inp.block_tables[:, 0].long()
     vc = inp.value_cache
     vc[blocks, :, :, 0] = rows.to(vc.device)  # token 0 of each sequence's first block
