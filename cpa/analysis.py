@@ -189,6 +189,25 @@ def speedups(df, baseline_partition: int = 256):
     return pd.DataFrame(out).reset_index()
 
 
+def kv_dtype_table(df):
+    """Per (query dtype, batch, context): the best verified CPA variant with the 16-bit KV cache
+    (``auto``) and with the fp8 e4m3 cache, and ``fp8_over_auto`` = fp8 time / 16-bit time (0.5
+    where halving the bytes read turns fully into time; 1.0 where the fp8 decode eats all of it)."""
+    import pandas as pd
+
+    best = best_by_point(df)
+    keys = ["dtype", "num_seqs", "max_seq_len"]
+    cols = {}
+    for kv in ("auto", "fp8"):
+        b = best[best.kv_cache_dtype == kv].set_index(keys)
+        cols[f"{kv}_variant"] = b.tiling + "/" + b.partition_size.astype(str)
+        cols[f"{kv}_us"] = b.time_us
+        cols[f"{kv}_frac_peak_bw"] = b.frac_peak_bw
+    out = pd.DataFrame(cols)
+    out["fp8_over_auto"] = out.fp8_us / out.auto_us
+    return out.reset_index().sort_values(keys).reset_index(drop=True)
+
+
 def partition_table(df, tiling: str, value: str = "time_us"):
     """(batch, context) x partition size of one tiling: `value` (time_us, gbps, ...)."""
     d = cpa_rows(df)

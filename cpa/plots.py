@@ -176,8 +176,28 @@ def speedup_bars(table, columns: list[str], *, title: str, source: str):
     return fig
 
 
+def kv_dtype_bars(table, *, source: str):
+    """:func:`cpa.analysis.kv_dtype_table` as grouped bars: the best time per shape with the
+    16-bit and the fp8 KV cache, one group per (query dtype, batch x context); the label over
+    each fp8 bar is fp8 time / 16-bit time (0.5 = the halved bytes fully turned into time)."""
+    import plotly.graph_objects as go
+
+    t = table.copy()
+    t["shape"] = t.apply(lambda r: f"{r.dtype} b{int(r.num_seqs)} x {int(r.max_seq_len) // 1024}k", axis=1)
+    fig = go.Figure([
+        go.Bar(x=t.shape, y=t.auto_us, name="KV cache = query dtype", customdata=t.auto_variant,
+               hovertemplate="%{x}: %{y:.1f} us (%{customdata})"),
+        go.Bar(x=t.shape, y=t.fp8_us, name="KV cache fp8 e4m3", customdata=t.fp8_variant,
+               text=[f"{r:.2f}x" for r in t.fp8_over_auto], textposition="outside",
+               hovertemplate="%{x}: %{y:.1f} us (%{customdata})"),
+    ])
+    fig.update_layout(barmode="group", height=460, yaxis_type="log", yaxis_title="best CPA time (us)",
+                      title=f"16-bit against fp8 KV cache, best variant per shape ({source})")
+    return fig
+
+
 def explorer(load, grids: list[str]):
-    """ipywidgets controls (grid, dtype, tiling) over :func:`latency_vs_partition`.
+    """ipywidgets controls (grid, dtype, KV cache dtype, tiling) over :func:`latency_vs_partition`.
 
     `load(grid)` returns a :class:`cpa.analysis.SweepData`. Returns the widget box; in a
     static page it shows the first selection."""
@@ -192,22 +212,23 @@ def explorer(load, grids: list[str]):
 
     grid_w = W.Dropdown(options=grids, value=grids[0], description="grid")
     dtype_w = W.Dropdown(description="dtype")
+    kv_w = W.Dropdown(description="KV cache")
     tiling_w = W.Dropdown(description="tiling")
     out = W.Output()
     note = W.HTML()
 
     def refresh_options():
         c = A.choices(data(grid_w.value).df)
-        dtype_w.options, tiling_w.options = c["dtype"], c["tiling"]
+        dtype_w.options, kv_w.options, tiling_w.options = c["dtype"], c["kv_cache_dtype"], c["tiling"]
 
     def redraw(*_):
         s = data(grid_w.value)
-        if not dtype_w.value or not tiling_w.value:
+        if not dtype_w.value or not kv_w.value or not tiling_w.value:
             return
         note.value = s.banner().replace("**", "")
         with out:
             out.clear_output(wait=True)
-            show(latency_vs_partition(s.df, tiling=tiling_w.value, dtype=dtype_w.value))
+            show(latency_vs_partition(s.df, tiling=tiling_w.value, dtype=dtype_w.value, kv_cache_dtype=kv_w.value))
 
     def on_grid(_):
         refresh_options()
@@ -216,9 +237,9 @@ def explorer(load, grids: list[str]):
     refresh_options()
     redraw()
     grid_w.observe(on_grid, names="value")
-    dtype_w.observe(redraw, names="value")
-    tiling_w.observe(redraw, names="value")
-    return W.VBox([W.HBox([grid_w, dtype_w, tiling_w]), note, out])
+    for w in (dtype_w, kv_w, tiling_w):
+        w.observe(redraw, names="value")
+    return W.VBox([W.HBox([grid_w, dtype_w, kv_w, tiling_w]), note, out])
 
 
 # ------------------------------------------------------------------------ compiled evidence

@@ -9,6 +9,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CPA_CACHE_DIR="${CPA_CACHE_DIR:-/tmp/cpa-cache}"
 OUT="${OUT:-/tmp/cpa-out}"; mkdir -p "$OUT"
 PY=python3
+# Provenance: the commit must come from the caller's checkout. The device copy's git metadata
+# can be stale (on 2026-12-04 it reported the session's first commit for every call).
+if [ -z "${CPA_GIT_COMMIT:-}" ]; then
+  echo "h200.sh: set CPA_GIT_COMMIT=<the full sha of the local checkout> (git rev-parse HEAD here, not there)" >&2
+  exit 2
+fi
 # A/B of a kernel knob: ab_on FLAGS TAG builds the flagged variants in parallel, runs the kernel
 # GPU tests with them and benches them ($OUT/ab-TAG-on.csv); ab_off TAG benches the default build
 # right after ($OUT/ab-TAG-off.csv). The bench covers the tilings with matrix cores at P 256-1024

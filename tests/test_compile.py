@@ -187,6 +187,31 @@ def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     assert main["spill_stores"] == 0 and main["registers"] <= 255, main
 
 
+_FP8 = [V.Variant("mfma16", 256, 128, 16, "fp16", "fp8", 8, "cuda"),
+        V.Variant("mfma4", 512, 64, 32, "bf16", "fp8", 8, "cuda"),
+        V.Variant("scalar", 256, 128, 16, "bf16", "fp8", 8, "cuda"),
+        V.Variant("mfma16", 256, 128, 16, "bf16", "auto", 8, "cuda")]
+
+
+def test_sm90_fp8_decodes_with_the_hardware_conversion(tmp_path):
+    """sm_90 fp8 variants decode e4m3 pairs with cvt.rn.f16x2.e4m3x2 (and one exact 2^-8
+    multiply per pair, the kernel's value / 256 convention); -DCPA_FP8_CVT=0 gives the
+    integer bit trick, which AMD always uses; 16-bit caches decode nothing."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    (tmp_path / "hw").mkdir()
+    (tmp_path / "bits").mkdir()
+    _, hw = _sm90_attention(tmp_path / "hw", _FP8)
+    _, bits = _sm90_attention(tmp_path / "bits", _FP8, ["-DCPA_FP8_CVT=0"])
+    for v in _FP8:
+        n = hw[v.name].count("cvt.rn.f16x2.e4m3x2")
+        if v.kv_cache_dtype == "fp8":
+            assert n > 0 and hw[v.name].count("mul.rn.f16x2") >= n, v.name
+        else:
+            assert n == 0, v.name
+        assert "e4m3" not in bits[v.name], v.name
+
+
 def test_v_after_qk_knob_frees_registers(tmp_path):
     """-DCPA_V_AFTER_QK=1 exists to keep K and V from being live together: with it, the mma
     attention kernel at head 128 must need fewer registers than without and still not spill

@@ -75,6 +75,19 @@ def test_partition_table(llama):
     assert t.notna().all().all()
 
 
+def test_kv_dtype_table():
+    d = A.sweep_results("kv-dtype-scan", mode="shipped")
+    t = A.kv_dtype_table(d.df)
+    assert len(t) == 8 and set(t.dtype) == {"fp16", "bf16"}  # 2 dtypes x 2 batches x 2 contexts
+    cpa = A.cpa_rows(d.df)
+    r = t.iloc[0]
+    fp8 = cpa[(cpa.dtype == r["dtype"]) & (cpa.kv_cache_dtype == "fp8") & (cpa.num_seqs == r.num_seqs)
+              & (cpa.max_seq_len == r.max_seq_len)]
+    assert r.fp8_us == fp8.time_us.min() and r.fp8_over_auto == pytest.approx(r.fp8_us / r.auto_us)
+    # half the bytes: the fp8 cache is faster at every shape, and cannot beat half the time by much
+    assert (t.fp8_over_auto < 1.0).all() and (t.fp8_over_auto > 0.45).all()
+
+
 def test_live_mode_without_gpu_is_an_error():
     if A.has_gpu():
         pytest.skip("a GPU is present")

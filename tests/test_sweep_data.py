@@ -14,8 +14,11 @@ from cpa import sweep as S
 from cpa import variants as V
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "sweeps"
-GRIDS = ("llama70b-decode", "gqa-scan", "head-size-scan", "mixed-lengths")
+GRIDS = ("llama70b-decode", "gqa-scan", "head-size-scan", "mixed-lengths", "kv-dtype-scan")
 PEERS = ("sdpa", "flex", "flashinfer")
+# the peers each shipped grid has a row of at every point (kv-dtype-scan ran without the
+# FlashInfer wheel, and its fp8 points give SDPA and flex an `unsupported` row)
+GRID_PEERS = {"kv-dtype-scan": ("sdpa", "flex")}
 
 
 @pytest.fixture(scope="module", params=GRIDS)
@@ -32,7 +35,7 @@ def test_every_row_of_the_grid_is_there_and_verified(shipped):
     grid = S.load_grid(name)
     assert meta["schema_version"] == S.SCHEMA_VERSION
     want = {S.row_key(p.point_id, v.tiling, v.partition_size) for p, v in grid.rows()}
-    want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in PEERS}
+    want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in GRID_PEERS.get(name, PEERS)}
     got = {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)}
     assert got == want
     # every CPA row verified; a peer may fail (compile error, out of memory) but says why
@@ -42,7 +45,8 @@ def test_every_row_of_the_grid_is_there_and_verified(shipped):
     assert failed.tiling.isin(PEERS).all() and failed.error.str.len().gt(0).all()
     assert (df.verified == df.error.isna()).all()
     ok = df[df.verified]
-    assert len(ok) >= 0.99 * len(df)
+    supported = ~df.error.fillna("").str.startswith("unsupported")  # (a peer that cannot take fp8 K/V)
+    assert len(ok) >= 0.99 * supported.sum()
     assert (ok.time_us_p25 <= ok.time_us).all() and (ok.time_us <= ok.time_us_p75).all()
     assert ((ok.frac_peak_bw > 0) & (ok.frac_peak_bw < 1.05)).all()
     assert set(S.REQUIRED_COLUMNS) <= set(df.columns)
