@@ -19,7 +19,7 @@ def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_
                    platform: str, arch: str) -> V.Variant:
     """The variant for a validated call; None picks the per-device default of cpa.variants."""
     if tiling is None or partition_size is None:
-        d_tiling, d_partition, _ = V.default_choice(arch, shape.gqa_ratio)
+        d_tiling, d_partition, _ = V.default_choice(arch, shape.gqa_ratio, shape.query_dtype, shape.kv_cache_dtype)
         tiling = tiling or d_tiling
         partition_size = partition_size or d_partition
     return V.variant_for(tiling=tiling, partition_size=partition_size, head_size=shape.head_size,

@@ -291,14 +291,20 @@ def shared_steps_unsupported(variant: Variant, *, kv_async: bool = False) -> str
 
 
 # ---------------------------------------------------------------- per-device defaults
-# One table: arch -> rules (max GQA ratio, tiling, partition size, where the choice comes from).
+# One table: arch -> rules (max GQA ratio, tiling, partition size, where the choice comes from,
+# and optionally the (query dtype, KV cache dtype) the rule is for); the first rule that fits wins.
 # gfx942 / gfx90a follow upstream's ROCm design (vLLM csrc/rocm/attention.cu: 256 tokens per
 # partition; 4x4x4 MFMA for GQA 1-4, 16x16x16 for larger groups); it is compiled here, not
 # measured. sm_90 is what cpa's own H200 bench and sweep measured (data/bench, data/sweeps).
-DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
+DEFAULTS: dict[str, list[tuple]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
-    "sm_90": [(16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
+    "sm_90": [(16, "mfma4", 512, "measured on an H200, 2026-12-04: bf16 queries with an fp8 cache run 5-11% "
+                                 "faster with mfma4 than with mfma16 at every point and partition of cpa sweep "
+                                 "kv-dtype-scan (data/sweeps/h200-kv-dtype-scan.parquet, commit 281bb69; 24 of 24, "
+                                 "median 0.917x; 16-bit caches and fp16 + fp8: the two tie within 1%); the "
+                                 "partition size as below", ("bf16", "fp8")),
+              (16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
                                   "(data/bench/h200-kernel.csv, commit 90fd147; 16 Llama-70B decode shapes, "
                                   "partitions 64-8192, reduce launch / fused / cluster combine: 1.153x the "
                                   "per-shape best, geometric mean; mfma4/512 1.156x, mfma16/1024 with the cluster "
@@ -310,10 +316,14 @@ DEFAULTS: dict[str, list[tuple[int, str, int, str]]] = {
 FALLBACK_DEFAULT = (16, "mfma16", 256, "no entry for this arch: mfma16 / 256")
 
 
-def default_choice(arch: str, gqa_ratio: int) -> tuple[str, int, str]:
-    """(tiling, partition_size, source) for a device arch and GQA ratio."""
+def default_choice(arch: str, gqa_ratio: int, dtype=None, kv_cache_dtype: str | None = None) -> tuple[str, int, str]:
+    """(tiling, partition_size, source) for a device arch and GQA ratio (and, where a rule asks
+    for them, the query dtype and the KV cache dtype; left out, the 16-bit rules apply)."""
     rules = DEFAULTS.get(arch, [FALLBACK_DEFAULT])
-    for max_gqa, tiling, partition_size, source in rules:
+    want = (dtype_name(dtype) if dtype is not None else None, kv_name(kv_cache_dtype) if kv_cache_dtype else None)
+    for max_gqa, tiling, partition_size, source, *only in rules:
+        if only and tuple(only[0]) != want:
+            continue
         if gqa_ratio <= max_gqa:
             return tiling, partition_size, source
     raise ValueError(f"GQA ratio {gqa_ratio} exceeds every default rule for arch {arch!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cpa import variants as V
 
@@ -59,6 +60,12 @@ def test_defaults_table():
     tiling, p, src = V.default_choice("sm_90", 8)
     assert tiling in V.TILINGS and p in V.PARTITION_SIZES and src
     assert V.default_choice("sm_75", 8)[:2] == ("mfma16", 256)  # fallback rule
+    # sm_90: bf16 queries with an fp8 cache take mfma4 (measured), everything else the 16-bit rule
+    assert V.default_choice("sm_90", 8, "bf16", "fp8")[0] == "mfma4"
+    assert V.default_choice("sm_90", 8, torch.bfloat16, "fp8_e4m3")[0] == "mfma4"
+    for dt, kv in (("bf16", "auto"), ("fp16", "fp8"), ("fp16", "auto"), (None, None)):
+        assert V.default_choice("sm_90", 8, dt, kv)[:2] == (tiling, p)
+    assert V.default_choice("gfx942", 8, "bf16", "fp8")[:2] == ("mfma16", 256)
 
 
 def test_sources_instantiate_exactly_the_variant():
