@@ -471,9 +471,14 @@ CPA_DEVICE uint32_t fp8x2_to_half2_div256(uint32_t w) {
 #ifndef CPA_FP8_CVT
 #define CPA_FP8_CVT 1
 #endif
+#if CPA_CUDA && CPA_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define CPA_FP8_HW 1  // (device pass of an sm_89+ build only)
+#else
+#define CPA_FP8_HW 0
+#endif
 // Four bytes -> two packed 16-bit registers of type T (fp16 or bf16), value / 256.
 template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
-#if CPA_CUDA && CPA_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if CPA_FP8_HW
   uint32_t h01, h23;
   asm("{ .reg .b16 lo, hi;\n"
       "  mov.b32 {lo, hi}, %2;\n"
@@ -491,7 +496,7 @@ template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
   } else {
     // fp16 -> fp32 is exact; these values have <= 4 significant bits, so truncating fp32
     // to bf16 is exact too.
-#if CPA_CUDA && CPA_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#if CPA_FP8_HW
     // (the high halves of two fp32 in one byte permute)
     return {__byte_perm(__float_as_uint(lo_to_float_f16(h01)), __float_as_uint(hi_to_float_f16(h01)), 0x7632),
             __byte_perm(__float_as_uint(lo_to_float_f16(h23)), __float_as_uint(hi_to_float_f16(h23)), 0x7632)};
