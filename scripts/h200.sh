@@ -33,6 +33,17 @@ ab_off() {
   CPA_COMMAND="python3 -m cpa bench $A" timeout 200 $PY -m cpa bench $A --out "$OUT/ab-$1-off.csv" 2>&1 \
     | grep -A18 "best_us" | head -18
 }
+# for_each_arm FN: FN FLAGS INDEX for each arm of CPA_AB_ARMS="flags0|flags1|..." (an empty arm
+# is the default build; the appended '|' keeps a trailing empty arm, which read -a would drop)
+for_each_arm() {
+  local arms F i=0
+  IFS='|' read -r -a arms <<< "${CPA_AB_ARMS?set CPA_AB_ARMS}|"
+  for F in "${arms[@]}"; do
+    echo "--- arm $i: '${F}'"
+    "$1" "$F" "$i"
+    i=$((i + 1))
+  done
+}
 for step in "$@"; do
   echo "=== step $step ($(date -u +%H:%M:%S))"
   case "$step" in
@@ -199,34 +210,27 @@ PYEOF
       ;;
     ab-arms)
       # several builds of the kernel back to back in one process tree, each arm's bench variants
-      # prebuilt first: CPA_AB_ARMS="flags0|flags1|..." (an empty arm is the default build),
-      # CPA_AB_ARGS the bench options; $OUT/arm-<i>.csv per arm, in arm order
-      # (the appended '|' keeps a trailing empty arm, which read -a would drop)
-      IFS='|' read -r -a arms <<< "${CPA_AB_ARMS?set CPA_AB_ARMS}|"
-      i=0
-      for F in "${arms[@]}"; do
-        echo "--- arm $i: '${F}'"
-        CPA_NVCC_FLAGS="$F" $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"
-        CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS='$F' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
-          timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$i.csv" 2>&1 \
+      # prebuilt first (an empty arm is the default build), CPA_AB_ARGS the bench options;
+      # $OUT/arm-<i>.csv per arm, in arm order
+      arm_bench() {
+        CPA_NVCC_FLAGS="$1" $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"
+        CPA_NVCC_FLAGS="$1" CPA_COMMAND="CPA_NVCC_FLAGS='$1' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
+          timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$2.csv" 2>&1 \
           | grep -A14 "best_us" | head -14
-        i=$((i + 1))
-      done
+      }
+      for_each_arm arm_bench
       ;;
     sweep-arms)
-      # several builds (CPA_AB_ARMS as for ab-arms) over one sweep grid (CPA_ARM_GRID, a name or
-      # YAML file; CPA_ARM_SWEEP_ARGS more `cpa sweep` options), each verified row by row:
-      # $OUT/sweep-arm-<i>.parquet per arm, in arm order
-      IFS='|' read -r -a arms <<< "${CPA_AB_ARMS?set CPA_AB_ARMS}|"
-      i=0
-      for F in "${arms[@]}"; do
-        echo "--- arm $i: '${F}'"; t0=$SECONDS
-        CPA_NVCC_FLAGS="$F" CPA_COMMAND="CPA_NVCC_FLAGS='$F' python3 -m cpa sweep --grid ${CPA_ARM_GRID:?set CPA_ARM_GRID} --no-peers ${CPA_ARM_SWEEP_ARGS:-}" \
+      # the same builds over one sweep grid (CPA_ARM_GRID, a name or YAML file; CPA_ARM_SWEEP_ARGS
+      # more `cpa sweep` options), each verified row by row: $OUT/sweep-arm-<i>.parquet per arm
+      arm_sweep() {
+        local t0=$SECONDS
+        CPA_NVCC_FLAGS="$1" CPA_COMMAND="CPA_NVCC_FLAGS='$1' python3 -m cpa sweep --grid ${CPA_ARM_GRID:?set CPA_ARM_GRID} --no-peers ${CPA_ARM_SWEEP_ARGS:-}" \
           timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa sweep --grid "$CPA_ARM_GRID" --no-peers --no-progress \
-          ${CPA_ARM_SWEEP_ARGS:-} --out "$OUT/sweep-arm-$i.parquet" 2>&1 | grep -v "^sweep: prebuilt\|Warning" | tail -14
-        echo "arm $i: $((SECONDS - t0)) s"
-        i=$((i + 1))
-      done
+          ${CPA_ARM_SWEEP_ARGS:-} --out "$OUT/sweep-arm-$2.parquet" 2>&1 | grep -v "^sweep: prebuilt\|Warning" | tail -14
+        echo "arm $2: $((SECONDS - t0)) s"
+      }
+      for_each_arm arm_sweep
       ;;
     ab-old)
       # the same benchmark from an older tree (git archive into .ab/<rev>, carried) and from this
