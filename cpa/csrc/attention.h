@@ -30,9 +30,13 @@ namespace cpa {
 #endif
 // 1: an experiment, never a variant: the main loop loads every step and folds its registers
 // with XORs instead of QK / softmax / PV, so the bench times the loads alone (output wrong).
-// 2: the same, holding the real kernel's register count; 3: cp.async copies (NVIDIA).
+// 2: the same, holding the real kernel's register count. (A cp.async arm, 3, was measured and
+// removed: about 40% of its copies never reached DRAM, notes/kernel-notes.md.)
 #ifndef CPA_LOAD_ONLY
 #define CPA_LOAD_ONLY 0
+#endif
+#if CPA_LOAD_ONLY > 2
+#error "CPA_LOAD_ONLY is 0, 1 or 2"
 #endif
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -721,49 +725,13 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
 #if CPA_LOAD_ONLY
   constexpr int LOAD_ACC = CPA_LOAD_ONLY == 2 ? 64 : 1;
   uint32_t load_acc[LOAD_ACC] = {};
-#if CPA_LOAD_ONLY == 3
-  __shared__ __attribute__((aligned(16))) uint4 load_slot[Cfg::NUM_WAVES * 8192 / 16];
-#endif
 #endif
   for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : end);
        tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     steps.load(kv, tok0, partial, tok0 + STRIDE);
-#if CPA_LOAD_ONLY == 3 && CPA_CUDA
-    if constexpr (!kShared) {  // (the shared-steps instantiation: not measured)
-      // memory-side experiment: the step's K and V blocks by cp.async into the wave's 8 KB
-      // slot, one step left in flight while the next is issued. Between the two blocks of a
-      // step the lane reads its slot words back (garbage, unsynchronized): two copies to one
-      // address with no read between are a dead store ptxas may drop (the first try, without
-      // them, timed 1.7x the DRAM peak).
-      using KS = KVSteps<Cfg>;
-      constexpr int BB = HEAD * BLOCK * (Cfg::fp8 ? 1 : 2);  // bytes of one block of K (or V)
-      uint8_t* slot = reinterpret_cast<uint8_t*>(load_slot) + wave_id() * 8192;
-#pragma unroll
-      for (int b = 0; b < KS::NBLK; ++b) {
-        const int64_t off = steps.c.block_offset(tok0 + b * BLOCK);
-#pragma unroll
-        for (int i = 0; i < BB / 512; ++i) {
-          const int o = i * 512 + lane_id() * 16;
-          cp_async16(slot + ((2 * b * BB + o) % 8192), steps.c.k + off + o);
-          cp_async16(slot + (((2 * b + 1) * BB + o) % 8192), steps.c.v + off + o);
-        }
-#pragma unroll
-        for (int i = 0; i < BB / 512; ++i) {
-          const int o = i * 512 + lane_id() * 16;
-          uint32_t x, y;
-          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(smem_u32(slot + (2 * b * BB + o) % 8192)) : "memory");
-          asm volatile("ld.shared.b32 %0, [%1];" : "=r"(y) : "r"(smem_u32(slot + ((2 * b + 1) * BB + o) % 8192)) : "memory");
-          load_acc[0] ^= x ^ y;
-        }
-      }
-      cp_async_commit();
-      cp_async_wait_but_newest();
-      continue;
-    }
-#endif
-#if CPA_LOAD_ONLY && CPA_LOAD_ONLY != 3
+#if CPA_LOAD_ONLY
     {  // memory-side experiment: fold the step's registers with XORs, no math (wrong output);
        // 2: into LOAD_ACC loop-carried registers, to hold the real kernel's register count
       const uint32_t* w = reinterpret_cast<const uint32_t*>(&kv);
@@ -808,9 +776,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
   }
   steps.finish();
 #if CPA_LOAD_ONLY
-#if CPA_LOAD_ONLY == 3 && CPA_CUDA
-  cp_async_wait_all();
-#endif
 #pragma unroll
   for (int i = 0; i < LOAD_ACC; ++i) o[0] += (float)(load_acc[i] & 1u);
 #endif
