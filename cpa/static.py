@@ -225,11 +225,13 @@ def snapshot_sources(dest: Path) -> str:
     return h.hexdigest()
 
 
-def _compile_amd(group, arch, work: Path, inc: Path = CSRC) -> tuple[dict, dict]:
+def _compile_amd(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[dict, dict]:
+    """clang resource remarks and ISA mix per function; the assembly stays in work/tu.s."""
     src = work / "tu.hip"
     src.write_text(_tu_source(group))
     p = _run([find_clang(), "-x", "hip", "-std=c++17", f"--offload-arch={arch}", "--cuda-device-only", "-O3",
-              "-nogpulib", "-Rpass-analysis=kernel-resource-usage", "-S", f"-I{inc}", str(src), "-o", "tu.s"], work)
+              "-nogpulib", "-Rpass-analysis=kernel-resource-usage", "-S", f"-I{inc}", *flags, str(src), "-o", "tu.s"],
+             work)
     remarks = parse_amd_remarks(p.stderr)
     funcs = split_amd_functions((work / "tu.s").read_text())
     return remarks, {f: amd_mix(m) for f, m in funcs.items()}

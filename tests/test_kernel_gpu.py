@@ -204,6 +204,49 @@ def test_fp8_decodes_every_byte(tiling, dtype):
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tiling", V.TILINGS)
+def test_query_range_with_fp8_cache(tiling):
+    """bf16 queries far outside fp16's range, with an fp8 cache (where the matrix-core tilings
+    compute in fp16, CPA_FP8_F16_MMA): scaling the query by 2^s and the scale by 2^-s leaves
+    the logits unchanged, so the output must match the unscaled call; and one group mixing
+    heads 2^60 apart in magnitude must match the fp32 reference. Unscaled fp16 would overflow
+    at 2^20 (inf, then NaN) and flush 2^-40 to zero (uniform attention)."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+    from cpa.jit import device_arch
+
+    c = dict(BASE, tiling=tiling, partition_size=256, dtype="bf16", kv="fp8")
+    _variant_or_skip(c, device_arch()[0])
+    lens = [1, 255, 600, 4093]
+    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, lens, dtype=torch.bfloat16, kv_cache_dtype="fp8",
+                            seed=23, device="cuda")
+    kw = inp.as_kwargs()
+    tol = reference.REL_ERR_TOL[torch.bfloat16]
+
+    def run(**over):
+        out = torch.full_like(inp.query, float("nan"))
+        ops.prepare(**{**kw, **over}, partition_size=256, tiling=tiling, out=out)()
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"non-finite output with {sorted(over)}"
+        return out
+
+    base = reference.paged_attention(**kw)
+    for e in (20, -40):
+        out = run(query=inp.query * 2.0 ** e, scale=inp.scale * 2.0 ** -e)  # exact in bf16
+        err = reference.relative_error(out, base, per_seq=True)
+        assert err <= tol, f"query x 2^{e}: relative error {err:.3g} > {tol:g}"
+    # one KV head's group: heads 0-3 at 2^30, 4-7 at 2^-30; the rest as they are
+    q = inp.query.clone()
+    q[:, 0:4] *= 2.0 ** 30
+    q[:, 4:8] *= 2.0 ** -30
+    scale = inp.scale * 2.0 ** -30  # the large heads' logits as before, the small ones ~0
+    out = run(query=q, scale=scale)
+    ref = reference.paged_attention(**{**kw, "query": q, "scale": scale})
+    err = reference.relative_error(out, ref, per_seq=True)
+    assert err <= tol, f"mixed-range group: relative error {err:.3g} > {tol:g}"
+
+
 FUSED_CASES = [dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv) for t in V.TILINGS for p in (64, 256, 1024)
                for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
 

@@ -39,6 +39,16 @@ namespace cpa {
 #error "CPA_LOAD_ONLY is 0, 1 or 2"
 #endif
 
+// 1: bf16 queries with an fp8 cache run their matrix-core tiles in fp16. The cache decodes
+// to fp16 directly (on sm_89+ one hardware conversion per pair), where bf16 needs two more
+// conversions and a permute per pair; the query is converted once per workgroup, scaled by a
+// power of two (query_to_half), and the output is still written as bf16. Exact for the
+// cache, and for every query element within 2^-28 of the group's largest; P is rounded to
+// fp16 (finer than bf16 on [0, 1]). 0: bf16 tiles throughout. The scalar tiling is unchanged.
+#ifndef CPA_FP8_F16_MMA
+#define CPA_FP8_F16_MMA 0
+#endif
+
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -80,6 +90,11 @@ struct ReduceParams {
   int partition_size;
 };
 
+template <bool C, class A, class B> struct Pick { using type = A; };
+template <class A, class B> struct Pick<false, A, B> { using type = B; };
+template <class A, class B> struct Same { static constexpr bool value = false; };
+template <class A> struct Same<A, A> { static constexpr bool value = true; };
+
 // Tilings that stage steps in shared memory (define Staged), when CPA_KV_ASYNC is on.
 template <class Tl, class = void>
 struct StagesKV { static constexpr bool value = false; };
@@ -102,9 +117,12 @@ template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int 
 struct AttnConfig {
   static constexpr int NUM_WAVES = 4;
   static constexpr int THREADS = NUM_WAVES * kWave;
-  using Dtype = T;
+  using Dtype = T;  // query and output
   using Tiling = Tag;
-  using Tiles = typename TilingFor<Tag, T, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
+  // the tiles' operand type: fp16 for bf16 queries with an fp8 cache (CPA_FP8_F16_MMA)
+  static constexpr bool half_math = CPA_FP8_F16_MMA && FP8 && T::is_bf16 && !Same<Tag, TilingScalar>::value;
+  using MathT = typename Pick<half_math, F16, T>::type;
+  using Tiles = typename TilingFor<Tag, MathT, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
   static constexpr int head_size = HEAD, block_size = BLOCK, partition_size = PARTITION;
   static constexpr bool fp8 = FP8;
   static_assert(PARTITION % Tiles::TOKENS == 0, "partition must be whole wave steps");
@@ -152,10 +170,6 @@ struct AttnConfig {
 constexpr int kMaxEntries = 4;
 
 // (<type_traits> is not available to the device-only HIP compiles: -nogpulib)
-template <bool C, class A, class B> struct Pick { using type = A; };
-template <class A, class B> struct Pick<false, A, B> { using type = B; };
-template <class A, class B> struct Same { static constexpr bool value = false; };
-template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
 // The paged cache, with the physical blocks of the wave's steps held one per lane: entry[i] of
 // lane l is the wave's block i kWave + l (NE sets; entry[0] is the current one):
@@ -657,6 +671,32 @@ CPA_DEVICE void cluster_combine(const AttnParams& p, int64_t row0, const float* 
   cluster_sync();
 }
 
+// The bf16 query fragment of a wave (every mma tiling holds the whole group's query in each
+// wave, as packed pairs) -> fp16 pairs times 2^k, k chosen from the group's largest |q| so
+// that it lands in [2^14, 2^15): no overflow (fp16 max 65504), and bf16's 8-bit significand
+// fits fp16's 11 bits for every element down to 2^-28 of the largest (smaller ones, whose
+// share of a logit is below that, round to fp16 subnormals). Returns 2^-k, the logit factor.
+template <class Q>
+CPA_DEVICE float query_to_half(Q& q) {
+  constexpr int N = sizeof(Q) / 4;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&q);
+  int mx = 0;  // largest magnitude as bits: bf16 bit patterns order like their magnitudes
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int lo = (int)(w[i] & 0x7fffu), hi = (int)((w[i] >> 16) & 0x7fffu);
+    mx = max(mx, max(lo, hi));
+  }
+#pragma unroll
+  for (int m = 1; m < kWave; m <<= 1) mx = max(mx, shfl_xor(mx, m));
+  int k = 14 - ((mx >> 7) - 127);  // 14 - exponent of the largest (zero: the clamp)
+  k = k < -126 ? -126 : (k > 126 ? 126 : k);
+  const float f = __int_as_float((127 + k) << 23);
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = F16::pack(BF16::to_float((uint16_t)(w[i] & 0xffffu)) * f,
+                                               BF16::to_float((uint16_t)(w[i] >> 16)) * f);
+  return __int_as_float((127 - k) << 23);
+}
+
 // STEAL: the shared-steps kernel (p.steal set; direct loads only), a separate instantiation so
 // that the fixed-partition kernel is compiled exactly as without it.
 template <class Cfg, bool STEAL = false>
@@ -703,6 +743,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
                                        seq_len};
   typename Tl::Q q;
   Tl::load_q(q, p.query + ((int64_t)seq * p.num_heads + head0) * HEAD, p.gqa, smem);
+  float scale_log2 = p.scale_log2;
+  if constexpr (Cfg::half_math) scale_log2 *= query_to_half(q);
 
   float m[LH], l[LH], slope[LH], o[NO];
 #pragma unroll
@@ -751,7 +793,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_
     for (int e = 0; e < NS; ++e) {
       const int lh = Tl::s_lhead(e);
       const int tok = tok0 + Tl::s_token(e);
-      float x = s[e] * p.scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
+      float x = s[e] * scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
       if (partial && tok >= seq_len) x = -INFINITY;
       s[e] = x;
       mt[lh] = fmaxf_(mt[lh], x);

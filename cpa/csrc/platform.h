@@ -87,6 +87,14 @@ CPA_DEVICE float shfl_xor(float v, int mask) {
 #endif
 }
 
+CPA_DEVICE int shfl_xor(int v, int mask) {
+#if CPA_HIP
+  return __builtin_amdgcn_ds_bpermute((lane_id() ^ mask) << 2, v);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+
 CPA_DEVICE float exp2f_fast(float x) {
 #if CPA_HIP
   return __builtin_amdgcn_exp2f(x);
