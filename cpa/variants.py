@@ -116,6 +116,13 @@ class Variant:
         return self.info.tokens_per_step
 
     @property
+    def tile_dtype(self) -> str:
+        """The matrix cores' operand dtype: bf16 queries with an fp8 cache run fp16 tiles (the
+        cache decodes to fp16 in fewer instructions; cpa/csrc/attention.h CPA_FP8_F16_MMA, on
+        by default), every other variant its query dtype. The scalar tiling has no tiles."""
+        return tile_dtype(self.tiling, self.dtype, self.kv_cache_dtype)
+
+    @property
     def name(self) -> str:
         return (f"{self.tiling}-p{self.partition_size}-h{self.head_size}-b{self.block_size}-{self.dtype}-"
                 f"kv{self.kv_cache_dtype}-g{self.heads_cap}-{self.platform}")
@@ -145,6 +152,11 @@ class Variant:
             f"template __global__ void cpa::paged_attention_reduce_few_kernel<"
             f"{ {'fp16': 'cpa::F16', 'bf16': 'cpa::BF16'}[self.dtype] }, {self.head_size}>(cpa::ReduceParams);\n"
         )
+
+
+def tile_dtype(tiling: str, dtype: str, kv_cache_dtype: str) -> str:
+    """See Variant.tile_dtype."""
+    return "fp16" if (dtype == "bf16" and kv_cache_dtype == "fp8" and tiling != "scalar") else dtype
 
 
 # The reduce kernel a launch picks (cpa/csrc/attention.h use_reduce_few and its macros; a
@@ -296,15 +308,12 @@ def shared_steps_unsupported(variant: Variant, *, kv_async: bool = False) -> str
 # gfx942 / gfx90a follow upstream's ROCm design (vLLM csrc/rocm/attention.cu: 256 tokens per
 # partition; 4x4x4 MFMA for GQA 1-4, 16x16x16 for larger groups); it is compiled here, not
 # measured. sm_90 is what cpa's own H200 bench and sweep measured (data/bench, data/sweeps).
+# (sm_90 had a bf16 + fp8 rule, mfma4, from 4887c51 until bf16 queries with an fp8 cache ran
+# fp16 tiles, CPA_FP8_F16_MMA: since then mfma16 and mfma4 tie there as with fp16 queries.)
 DEFAULTS: dict[str, list[tuple]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
-    "sm_90": [(16, "mfma4", 512, "measured on an H200, 2026-12-04: bf16 queries with an fp8 cache run 5-11% "
-                                 "faster with mfma4 than with mfma16 at every point and partition of cpa sweep "
-                                 "kv-dtype-scan (data/sweeps/h200-kv-dtype-scan.parquet, commit 281bb69; 24 of 24, "
-                                 "median 0.917x; 16-bit caches and fp16 + fp8: the two tie within 1%); the "
-                                 "partition size as below", ("bf16", "fp8")),
-              (16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
+    "sm_90": [(16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
                                   "(data/bench/h200-kernel.csv, commit 90fd147; 16 Llama-70B decode shapes, "
                                   "partitions 64-8192, reduce launch / fused / cluster combine: 1.153x the "
                                   "per-shape best, geometric mean; mfma4/512 1.156x, mfma16/1024 with the cluster "

@@ -76,7 +76,8 @@ def _check_mma(df, arch):
         if r.tiling == "scalar":
             assert not present, f"{r.variant}: scalar tiling uses matrix cores: {present}"
             continue
-        pat = EXPECTED[(arch, r["tiling"])].format(dt={"fp16": "f16", "bf16": "bf16"}[r["dtype"]])
+        dt = V.tile_dtype(r["tiling"], r["dtype"], r["kv_cache_dtype"])  # bf16 + fp8: fp16 tiles
+        pat = EXPECTED[(arch, r["tiling"])].format(dt={"fp16": "f16", "bf16": "bf16"}[dt])
         assert present, f"{r.variant}: no matrix-core instruction in the {arch} code"
         wrong = [m for m in present if not re.fullmatch(pat, m)]
         assert not wrong, f"{r.variant}: unexpected matrix-core instructions {wrong} (expected {pat})"
@@ -210,6 +211,33 @@ def test_sm90_fp8_decodes_with_the_hardware_conversion(tmp_path):
         else:
             assert n == 0, v.name
         assert "e4m3" not in bits[v.name], v.name
+
+
+def test_sm90_bf16_queries_with_fp8_cache_run_fp16_tiles(tmp_path):
+    """bf16 queries with an fp8 cache: the mma tilings run f16 mma (the cache decodes straight
+    to fp16, no fp16 -> fp32 conversions) and convert the query once (cvt.rn.f16x2.f32 after a
+    wave max); -DCPA_FP8_F16_MMA=0 keeps bf16 mma and the conversions. Other dtype pairs and
+    the scalar tiling are the same code either way."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    (tmp_path / "on").mkdir()
+    (tmp_path / "off").mkdir()
+    res_on, on = _sm90_attention(tmp_path / "on", _FP8)
+    res_off, off = _sm90_attention(tmp_path / "off", _FP8, ["-DCPA_FP8_F16_MMA=0"])
+    mma = re.compile(r"mma\.sync\.aligned\.m16n8k(?:16|8)\.row\.col\.f32\.(\w+)\.")
+    for v in _FP8:
+        kinds_on, kinds_off = set(mma.findall(on[v.name])), set(mma.findall(off[v.name]))
+        if v.tiling == "scalar":
+            assert not kinds_on and on[v.name] == off[v.name], v.name
+            continue
+        want = {"fp16": "f16", "bf16": "bf16"}[v.tile_dtype]
+        assert kinds_on == {want}, (v.name, kinds_on)
+        assert kinds_off == {"f16" if v.dtype == "fp16" else "bf16"}, (v.name, kinds_off)
+        if v.tile_dtype != v.dtype:
+            assert "cvt.f32.f16" not in on[v.name] and "cvt.f32.f16" in off[v.name], v.name
+            assert res_on[v.name]["registers"] < res_off[v.name]["registers"], (res_on[v.name], res_off[v.name])
+        else:
+            assert on[v.name] == off[v.name], v.name
 
 
 def test_v_after_qk_knob_frees_registers(tmp_path):

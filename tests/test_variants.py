@@ -60,12 +60,20 @@ def test_defaults_table():
     tiling, p, src = V.default_choice("sm_90", 8)
     assert tiling in V.TILINGS and p in V.PARTITION_SIZES and src
     assert V.default_choice("sm_75", 8)[:2] == ("mfma16", 256)  # fallback rule
-    # sm_90: bf16 queries with an fp8 cache take mfma4 (measured), everything else the 16-bit rule
-    assert V.default_choice("sm_90", 8, "bf16", "fp8")[0] == "mfma4"
-    assert V.default_choice("sm_90", 8, torch.bfloat16, "fp8_e4m3")[0] == "mfma4"
-    for dt, kv in (("bf16", "auto"), ("fp16", "fp8"), ("fp16", "auto"), (None, None)):
+    # sm_90: one choice for every query / KV cache dtype pair (measured: they tie)
+    for dt, kv in (("bf16", "fp8"), ("bf16", "auto"), ("fp16", "fp8"), ("fp16", "auto"), (None, None)):
         assert V.default_choice("sm_90", 8, dt, kv)[:2] == (tiling, p)
     assert V.default_choice("gfx942", 8, "bf16", "fp8")[:2] == ("mfma16", 256)
+
+
+def test_defaults_rule_for_a_dtype_pair(monkeypatch):
+    """A rule may name the (query dtype, KV cache dtype) it is for; other pairs skip it."""
+    rules = [(16, "mfma4", 1024, "pair rule", ("bf16", "fp8")), (16, "mfma16", 512, "general")]
+    monkeypatch.setitem(V.DEFAULTS, "sm_90", rules)
+    assert V.default_choice("sm_90", 8, "bf16", "fp8")[:2] == ("mfma4", 1024)
+    assert V.default_choice("sm_90", 8, torch.bfloat16, "fp8_e4m3")[:2] == ("mfma4", 1024)
+    for dt, kv in (("bf16", "auto"), ("fp16", "fp8"), (None, None)):
+        assert V.default_choice("sm_90", 8, dt, kv)[:2] == ("mfma16", 512)
 
 
 def test_sources_instantiate_exactly_the_variant():
