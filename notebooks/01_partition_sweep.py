@@ -126,8 +126,10 @@ for g in GRIDS[1:4]:
 # the bytes a call reads. The label over each fp8 bar is fp8 time / 16-bit time: 0.5 would
 # turn all of the halved bytes into time. The kernel decodes e4m3 in registers after each
 # load (on sm_89+ with the hardware `cvt.rn.f16x2.e4m3x2`, on AMD and older NVIDIA with
-# integer bit operations), so part of the saving goes to the decode instructions, more with
-# bf16 queries (fp16 -> fp32 -> bf16 on top).
+# integer bit operations), so part of the saving goes to the decode instructions. The decoded
+# values are exact in fp16, so bf16 queries with an fp8 cache run fp16 matrix-core tiles (the
+# query converted once per workgroup, `Variant.tile_dtype`) and decode no more than fp16
+# queries do: the two dtypes' fp8 bars should match.
 
 # %%
 kv = data["kv-dtype-scan"]
