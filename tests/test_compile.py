@@ -240,6 +240,29 @@ def test_sm90_bf16_queries_with_fp8_cache_run_fp16_tiles(tmp_path):
             assert on[v.name] == off[v.name], v.name
 
 
+def test_sm90_head256_loads_v_after_qk_by_default(tmp_path):
+    """Head 256: a 32-token step's K and V alone are 256 registers, so by default the mma
+    tilings load V after QK (CPA_V_AFTER_QK=-1) and stop spilling hundreds of bytes per
+    thread; -DCPA_V_AFTER_QK=0 is the old build. Head 128 and the scalar tiling are the same
+    code either way."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    vs = [V.Variant("mfma16", 512, 256, 16, "fp16", "auto", 8, "cuda"),
+          V.Variant("mfma4", 1024, 256, 32, "bf16", "fp8", 8, "cuda"),
+          V.Variant("scalar", 512, 256, 16, "fp16", "auto", 8, "cuda"),
+          V.Variant("mfma16", 512, 128, 16, "fp16", "auto", 8, "cuda")]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "o").mkdir()
+    res, ptx = _sm90_attention(tmp_path / "d", vs)
+    res0, ptx0 = _sm90_attention(tmp_path / "o", vs, ["-DCPA_V_AFTER_QK=0"])
+    for v in vs:
+        if v.tiling == "scalar" or v.head_size < 256:
+            assert ptx[v.name] == ptx0[v.name], v.name
+            continue
+        spill, spill0 = (r[v.name]["spill_stores"] + r[v.name]["spill_loads"] for r in (res, res0))
+        assert spill <= 64 and spill0 >= 4 * max(spill, 64), (v.name, spill, spill0)
+
+
 def test_v_after_qk_knob_frees_registers(tmp_path):
     """-DCPA_V_AFTER_QK=1 exists to keep K and V from being live together: with it, the mma
     attention kernel at head 128 must need fewer registers than without and still not spill

@@ -20,13 +20,17 @@ namespace cpa {
 #define CPA_FUSED_REDUCE 1
 #endif
 
-// 1: load a step's V only after its QK (a compiler fence keeps the loads there), so K and V
-// are never live together: fewer registers (more resident workgroups), V's latency exposed
-// per wave. 0: K and V of a step are loaded together. An A/B knob, effective with
-// -DCPA_BT_PREFETCH=0 only: when V's block offsets come from register shuffles, ptxas moves
-// V's loads back above QK (the fence binds the compiler's IR, not ptxas's schedule).
+// V after QK: load a step's V only after its QK (a compiler fence keeps the loads there), so
+// K and V are never live together: fewer registers, V's latency exposed per wave.
+// -1 (default): on NVIDIA, for the mma tilings at head >= 256 (fixed-partition loop), where a
+// 32-token step's K and V alone are 256 registers and the kernel spilled ~500 bytes per thread:
+// H200, 8 x 8k / 32k, 16-bit and fp8 caches, 0.56-0.79x the time (16-bit 8 x 32k: 334.8 ->
+// 244.3 us, 71% -> 95% of the read ceiling; notes/kernel-notes.md). Elsewhere off: at head
+// 128 it was 1.00-1.09x slower. 1: everywhere (where the block-table entries per lane are
+// on, ptxas moves V's loads back above QK: the fence binds the compiler's IR, not ptxas's
+// schedule; -DCPA_BT_PREFETCH=0 for the A/B). 0: never.
 #ifndef CPA_V_AFTER_QK
-#define CPA_V_AFTER_QK 0
+#define CPA_V_AFTER_QK -1
 #endif
 // 1: an experiment, never a variant: the main loop loads every step and folds its registers
 // with XORs instead of QK / softmax / PV, so the bench times the loads alone (output wrong).
@@ -123,6 +127,9 @@ struct AttnConfig {
   using Tiling = Tag;
   // the tiles' operand type: fp16 for bf16 queries with an fp8 cache (CPA_FP8_F16_MMA)
   static constexpr bool half_math = CPA_FP8_F16_MMA && FP8 && T::is_bf16 && !Same<Tag, TilingScalar>::value;
+  // load V after QK (CPA_V_AFTER_QK): forced, or by default the NVIDIA mma tilings at head >= 256
+  static constexpr bool v_after_qk =
+      CPA_V_AFTER_QK > 0 || (CPA_V_AFTER_QK < 0 && CPA_CUDA && HEAD >= 256 && !Same<Tag, TilingScalar>::value);
   using MathT = typename Pick<half_math, F16, T>::type;
   using Tiles = typename TilingFor<Tag, MathT, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
   static constexpr int head_size = HEAD, block_size = BLOCK, partition_size = PARTITION;
@@ -257,10 +264,10 @@ struct KVSteps {
   }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
     if constexpr (kTabled) c.advance(tok0);
-    Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, c, tok0, partial);
+    Tl::template load_kv<Cfg::v_after_qk ? kLoadK : kLoadKV>(kv, c, tok0, partial);
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
-    if constexpr (CPA_V_AFTER_QK != 0) {
+    if constexpr (Cfg::v_after_qk) {
       compiler_fence();
       Tl::template load_kv<kLoadV>(kv, c, tok0, partial);
     }
@@ -550,11 +557,11 @@ struct SharedSteps {
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
     src.entry[0] = ent_next;
     src.tok0 = tok0;
-    Tl::template load_kv<CPA_V_AFTER_QK ? kLoadK : kLoadKV>(kv, src, tok0, partial);
+    Tl::template load_kv<(CPA_V_AFTER_QK > 0) ? kLoadK : kLoadKV>(kv, src, tok0, partial);
     advance();
   }
   CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
-    if constexpr (CPA_V_AFTER_QK != 0) {
+    if constexpr (CPA_V_AFTER_QK > 0) {  // (forced only: the head-256 default is the fixed loop's)
       compiler_fence();
       Tl::template load_kv<kLoadV>(kv, src, tok0, partial);
     }
