@@ -129,7 +129,7 @@ struct AttnConfig {
   static constexpr bool half_math = CPA_FP8_F16_MMA && FP8 && T::is_bf16 && !Same<Tag, TilingScalar>::value;
   // load V after QK (CPA_V_AFTER_QK): forced, or by default the NVIDIA mma tilings at head >= 256
   static constexpr bool v_after_qk =
-      CPA_V_AFTER_QK > 0 || (CPA_V_AFTER_QK < 0 && CPA_CUDA && HEAD >= 256 && !Same<Tag, TilingScalar>::value);
+      CPA_V_AFTER_QK > 0 || (CPA_V_AFTER_QK < 0 && kNvidia && HEAD >= 256 && !Same<Tag, TilingScalar>::value);
   using MathT = typename Pick<half_math, F16, T>::type;
   using Tiles = typename TilingFor<Tag, MathT, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
   static constexpr int head_size = HEAD, block_size = BLOCK, partition_size = PARTITION;

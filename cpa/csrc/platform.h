@@ -41,6 +41,11 @@
 namespace cpa {
 
 constexpr int kWave = CPA_WAVE;
+#if CPA_CUDA
+constexpr bool kNvidia = true;  // (for compile-time choices in C++ expressions: CPA_CUDA is a macro)
+#else
+constexpr bool kNvidia = false;
+#endif
 
 // Work-item ids and the barrier through compiler builtins on AMD: HIP's threadIdx and
 // __syncthreads call into the device libraries (ockl), which a device-only compile with
