@@ -23,10 +23,11 @@ namespace cpa {
 // V after QK: load a step's V only after its QK (a compiler fence keeps the loads there), so
 // K and V are never live together: fewer registers, V's latency exposed per wave.
 // -1 (default): on NVIDIA, for the mma tilings at head >= 256 (fixed-partition loop), where a
-// 32-token step's K and V alone are 256 registers and the kernel spilled ~500 bytes per thread:
-// H200, 8 x 8k / 32k, 16-bit and fp8 caches, 0.56-0.79x the time (16-bit 8 x 32k: 334.8 ->
-// 244.3 us, 71% -> 95% of the read ceiling; notes/kernel-notes.md). Elsewhere off: at head
-// 128 it was 1.00-1.09x slower. 1: everywhere (where the block-table entries per lane are
+// 32-token step's K and V alone are 256 registers and the kernel spilled ~500 bytes per thread
+// each way: H200, 8 x 8k / 32k, 16-bit and fp8 caches, 0.63-0.93x the time per variant, best
+// per shape 0.70-0.79x (16-bit 8 x 32k: 334.8 -> 244.3 us, 71% -> 95% of the read ceiling;
+// notes/kernel-notes.md). Elsewhere off: at head 128 it was up to 1.12x slower (16-bit), and
+// 0.95-1.19x with fp8. 1: everywhere (where the block-table entries per lane are
 // on, ptxas moves V's loads back above QK: the fence binds the compiler's IR, not ptxas's
 // schedule; -DCPA_BT_PREFETCH=0 for the A/B). 0: never.
 #ifndef CPA_V_AFTER_QK
