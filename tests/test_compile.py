@@ -132,6 +132,12 @@ def _sm90_attention(tmp_path, variants, flags=()):
     return by_variant(res), {name: "\n".join(body) for name, body in by_variant(ptx).items()}
 
 
+def _sm90_default_and_flagged(tmp_path, variants, flags):
+    """_sm90_attention of the default build and of the build with `flags`, for an A/B of a knob:
+    ((resources, ptx) default, (resources, ptx) flagged)."""
+    return _sm90_attention(tmp_path, variants), _sm90_attention(tmp_path, variants, flags)
+
+
 @pytest.mark.parametrize("arm", ["1", "2"])
 def test_sm90_staged_loop_uses_cp_async_only_when_asked(tmp_path, arm):
     if not _have("nvcc"):
@@ -200,10 +206,7 @@ def test_sm90_fp8_decodes_with_the_hardware_conversion(tmp_path):
     integer bit trick, which AMD always uses; 16-bit caches decode nothing."""
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
-    (tmp_path / "hw").mkdir()
-    (tmp_path / "bits").mkdir()
-    _, hw = _sm90_attention(tmp_path / "hw", _FP8)
-    _, bits = _sm90_attention(tmp_path / "bits", _FP8, ["-DCPA_FP8_CVT=0"])
+    (_, hw), (_, bits) = _sm90_default_and_flagged(tmp_path, _FP8, ["-DCPA_FP8_CVT=0"])
     for v in _FP8:
         n = hw[v.name].count("cvt.rn.f16x2.e4m3x2")
         if v.kv_cache_dtype == "fp8":
@@ -220,10 +223,7 @@ def test_sm90_bf16_queries_with_fp8_cache_run_fp16_tiles(tmp_path):
     the scalar tiling are the same code either way."""
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
-    (tmp_path / "on").mkdir()
-    (tmp_path / "off").mkdir()
-    res_on, on = _sm90_attention(tmp_path / "on", _FP8)
-    res_off, off = _sm90_attention(tmp_path / "off", _FP8, ["-DCPA_FP8_F16_MMA=0"])
+    (res_on, on), (res_off, off) = _sm90_default_and_flagged(tmp_path, _FP8, ["-DCPA_FP8_F16_MMA=0"])
     mma = re.compile(r"mma\.sync\.aligned\.m16n8k(?:16|8)\.row\.col\.f32\.(\w+)\.")
     for v in _FP8:
         kinds_on, kinds_off = set(mma.findall(on[v.name])), set(mma.findall(off[v.name]))
@@ -251,10 +251,7 @@ def test_sm90_head256_loads_v_after_qk_by_default(tmp_path):
           V.Variant("mfma4", 1024, 256, 32, "bf16", "fp8", 8, "cuda"),
           V.Variant("scalar", 512, 256, 16, "fp16", "auto", 8, "cuda"),
           V.Variant("mfma16", 512, 128, 16, "fp16", "auto", 8, "cuda")]
-    (tmp_path / "d").mkdir()
-    (tmp_path / "o").mkdir()
-    res, ptx = _sm90_attention(tmp_path / "d", vs)
-    res0, ptx0 = _sm90_attention(tmp_path / "o", vs, ["-DCPA_V_AFTER_QK=0"])
+    (res, ptx), (res0, ptx0) = _sm90_default_and_flagged(tmp_path, vs, ["-DCPA_V_AFTER_QK=0"])
     for v in vs:
         if v.tiling == "scalar" or v.head_size < 256:
             assert ptx[v.name] == ptx0[v.name], v.name
@@ -288,10 +285,8 @@ def test_sm90_default_loads_whole_key_lines_and_reads_the_block_table_once(tmp_p
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
     mma = [v for v in _STAGED if v.tiling != "scalar"]
-    (tmp_path / "d").mkdir()
-    (tmp_path / "o").mkdir()
-    res, default = _sm90_attention(tmp_path / "d", mma)
-    res0, off = _sm90_attention(tmp_path / "o", mma, ["-DCPA_K_WHOLE_LINES=0", "-DCPA_BT_PREFETCH=0"])
+    (res, default), (res0, off) = _sm90_default_and_flagged(
+        tmp_path, mma, ["-DCPA_K_WHOLE_LINES=0", "-DCPA_BT_PREFETCH=0"])
     for v in mma:
         d, o = default[v.name], off[v.name]
         assert d.count("shfl.sync.bfly") > o.count("shfl.sync.bfly"), v.name
