@@ -8,6 +8,7 @@ median time, and its fraction of the read ceiling measured at the start of the s
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -79,21 +80,67 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
     return k.contiguous(), v.contiguous()
 
 
+def bench_config(*, tilings, partition_sizes, dtype_name, replays, sdpa, fused, cluster, shared,
+                 block_order) -> str:
+    """The options that decide which rows a shape gets and how they are timed, as one JSON
+    string stored in every row: a resumed run must continue with the same ones."""
+    return json.dumps(dict(tilings=list(tilings), partition_sizes=[int(p) for p in partition_sizes],
+                           dtype=dtype_name, replays=int(replays), sdpa=bool(sdpa), fused=bool(fused),
+                           cluster=bool(cluster), shared=bool(shared), block_order=block_order),
+                      sort_keys=True)
+
+
+def resume_state(out_csv, config: str, commit: str):
+    """The rows already in ``out_csv`` and the (num_seqs, max_seq_len) shapes they finished.
+    The bench writes the file only after a whole shape (every variant and SDPA), so a shape
+    present is complete. Refuses (ValueError, before any GPU work) a file written with other
+    options or by other code: one table is one configuration of one commit."""
+    import pandas as pd
+
+    if not out_csv:
+        raise ValueError("resume needs the CSV to continue (out_csv / --out)")
+    if not os.path.exists(out_csv):
+        return None, set()
+    old = pd.read_csv(out_csv)
+    if "bench_config" not in old:
+        raise ValueError(f"{out_csv}: no bench_config column (written before --resume existed); "
+                         "use another --out or run without --resume to overwrite it")
+    configs = set(old.bench_config.dropna())
+    if configs != {config}:
+        raise ValueError(f"{out_csv} was written with other options ({sorted(configs)}); this run: {config}. "
+                         "Use another --out, the same options, or run without --resume to overwrite it")
+    commits = set(old.git_commit.astype(str))
+    if commits != {commit}:
+        raise ValueError(f"{out_csv} holds rows of commit {sorted(commits)}; this run is {commit}: "
+                         "one table is one commit's code (use another --out, or run without --resume)")
+    return old, set(zip(old.num_seqs.astype(int), old.max_seq_len.astype(int)))
+
+
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
         replays=30, sdpa=True, fused=True, cluster=True, shared=True, out_csv=None, progress=True,
-        block_order="shuffled"):
+        block_order="shuffled", resume=False):
+    """``resume``: keep the shapes already in ``out_csv`` (same options, same commit) and
+    measure the others -- a bench longer than one sitting (or a device call) runs in pieces."""
     import torch
 
     from . import ceilings, reference, variants as V
     from .jit import device_arch
     from .ops import prepare
-    from .provenance import provenance
+    from .provenance import git_commit, provenance
     from .timing import time_graph
 
     check_block_order(block_order)  # before any GPU work
     tilings = tuple(tilings or V.TILINGS)
     partition_sizes = tuple(partition_sizes or V.PARTITION_SIZES)
+    if dtype_name not in ("fp16", "bf16"):
+        raise ValueError(f"dtype_name={dtype_name!r}: expected 'fp16' or 'bf16'")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+    config = bench_config(tilings=tilings, partition_sizes=partition_sizes, dtype_name=dtype_name, replays=replays,
+                          sdpa=sdpa, fused=fused, cluster=cluster, shared=shared, block_order=block_order)
+    old, done = resume_state(out_csv, config, git_commit()) if resume else (None, set())
+    if done and all((b, c) in done for b in batches for c in contexts):
+        print(f"# {out_csv}: every shape already measured (nothing to resume)")
+        return old, dict(read_gbps=float(old.read_gbps_ceiling.iloc[-1]), copy_gbps=float(old.copy_gbps_ceiling.iloc[-1]))
     prov = provenance()
     platform, arch = device_arch()
     ceil = ceilings.measure()
@@ -106,7 +153,9 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     # in-kernel combine asked for, and the reduce launch over shared steps
     modes = [(False, False, False)] + [(True, False, False)] * bool(fused) + [(False, True, False)] * bool(cluster) \
         + [(False, False, True)] * bool(shared)
-    shapes = [(b, c) for b in batches for c in contexts]
+    shapes = [(b, c) for b in batches for c in contexts if (b, c) not in done]
+    if done:
+        print(f"# resuming {out_csv}: {len(done)} shapes already measured, {len(shapes)} to go")
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -172,10 +221,10 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
         del sets, ref
         torch.cuda.empty_cache()
         if out_csv:  # after every shape: an interrupted run keeps what it measured
-            write_csv_atomic(_frame(rows, prov, ceil, arch), out_csv)
+            write_csv_atomic(_frame(rows, prov, ceil, arch, config, old), out_csv)
     if bar:
         bar.close()
-    df = _frame(rows, prov, ceil, arch)
+    df = _frame(rows, prov, ceil, arch, config, old)
     if out_csv:
         write_csv_atomic(df, out_csv)
     return df, ceil
@@ -195,7 +244,9 @@ _VARIANT_AXES = dict(head_size=LLAMA70B["head_size"], block_size=LLAMA70B["block
                      kv_cache_dtype="auto", gqa_ratio=LLAMA70B["num_heads"] // LLAMA70B["num_kv_heads"])
 
 
-def _frame(rows, prov, ceil, arch):
+def _frame(rows, prov, ceil, arch, config=None, old=None):
+    """This run's rows with its provenance and ceilings, after the rows of the runs it resumed
+    (which keep theirs: frac_peak_bw is always against the ceiling of the row's own run)."""
     import pandas as pd
 
     df = pd.DataFrame(rows)
@@ -204,6 +255,10 @@ def _frame(rows, prov, ceil, arch):
     df["read_gbps_ceiling"] = ceil["read_gbps"]
     df["copy_gbps_ceiling"] = ceil["copy_gbps"]
     df["arch"] = arch
+    if config is not None:
+        df["bench_config"] = config
+    if old is not None and len(old):
+        df = pd.concat([old, df], ignore_index=True) if len(df) else old.copy()
     return df
 
 

@@ -129,15 +129,23 @@ def bench(
                                 "sequence take its steps from one counter)."),
     block_order: str = typer.Option("shuffled", help="physical block order of each sequence: 'shuffled' "
                                     "(random, as an allocator leaves it) or 'sequential' (what paging costs)."),
+    resume: bool = typer.Option(False, help="keep the shapes already in OUT (written by the same options and "
+                                "commit) and measure the rest; without it OUT is overwritten."),
 ) -> None:
-    """Benchmark the CPA kernel at Llama-3.1-70B TP1 decode shapes (needs a GPU)."""
+    """Benchmark the CPA kernel at Llama-3.1-70B TP1 decode shapes (needs a GPU).
+
+    OUT is rewritten atomically after every shape, so an interrupted run keeps the shapes it
+    finished and --resume continues it."""
     import pandas as pd
 
     from . import bench as B
 
-    df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
-                     partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, fused=fused,
-                     cluster=cluster, shared=shared, out_csv=out, block_order=block_order)
+    try:
+        df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
+                         partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, fused=fused,
+                         cluster=cluster, shared=shared, out_csv=out, block_order=block_order, resume=resume)
+    except ValueError as e:  # options or OUT refused before any GPU work
+        raise typer.BadParameter(str(e)) from None
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500):
         cols = ["tiling", "partition_size", "fused_reduce", "cluster_reduce", "shared_steps", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
                 "reduce_time_us", "gbps", "frac_peak_bw", "verified"]

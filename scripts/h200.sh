@@ -282,8 +282,14 @@ for p in (256, 512, 1024, 2048, 4096):
 PYEOF
       ;;
     bench)
-      CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-}" \
-        timeout 540 $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} 2>&1 | tail -80
+      # the whole table outlasts one call: CPA_BENCH_RESUME=<the CSV an earlier call brought back,
+      # copied into the working tree> continues it (same options, same commit; shapes it holds
+      # are kept, the rest measured); a timeout keeps the shapes finished (OUT is rewritten after each)
+      resume=""
+      if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/h200-kernel.csv"; resume="--resume"; fi
+      CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-} $resume" \
+        timeout ${CPA_BENCH_TIMEOUT:-540} $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} $resume \
+        2>&1 | tail -80
       ;;
     *) echo "unknown step $step"; exit 2;;
   esac

@@ -1,0 +1,108 @@
+"""`cpa bench --resume`: a bench longer than one sitting (or one device call) runs in pieces.
+A resumed run keeps the finished shapes, measures the others, and refuses -- before any GPU
+work -- a file written with other options or by other code."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from cpa import bench as B
+from cpa.cli import app
+from cpa.provenance import git_commit
+
+OPTS = dict(tilings=("mfma16",), partition_sizes=(256,), dtype_name="fp16", replays=5, sdpa=True, fused=False,
+            cluster=False, shared=False, block_order="shuffled")
+RUN_OPTS = dict(batches=(1,), contexts=(512, 2048), tilings=("mfma16",), partition_sizes=(256,), replays=5,
+                sdpa=True, fused=False, cluster=False, shared=False, progress=False)
+
+
+def _rows(config, commit, shapes=((1, 512),)):
+    rows = []
+    for b, c in shapes:
+        for tiling, p in (("mfma16", 256), ("sdpa_cudnn", 0)):
+            rows.append(dict(tiling=tiling, partition_size=p, num_seqs=b, max_seq_len=c, time_us=10.0, gbps=1.0,
+                             frac_peak_bw=0.5, verified=True, device_name="NVIDIA H200", git_commit=commit,
+                             timestamp="2026-12-04T00:00:00+00:00", command="cpa bench", read_gbps_ceiling=4600.0,
+                             copy_gbps_ceiling=4000.0, bench_config=config))
+    return pd.DataFrame(rows)
+
+
+def test_config_names_every_option_that_changes_the_rows():
+    base = B.bench_config(**OPTS)
+    for key, other in (("tilings", ("mfma4",)), ("partition_sizes", (512,)), ("dtype_name", "bf16"),
+                       ("replays", 30), ("sdpa", False), ("fused", True), ("cluster", True), ("shared", True),
+                       ("block_order", "sequential")):
+        assert B.bench_config(**{**OPTS, key: other}) != base, key
+    assert B.bench_config(**OPTS) == base  # deterministic (stored in every row, compared as text)
+
+
+def test_resume_state_lists_the_finished_shapes(tmp_path):
+    cfg = B.bench_config(**OPTS)
+    out = tmp_path / "b.csv"
+    assert B.resume_state(str(out), cfg, "abc")[1] == set()  # nothing yet: start from scratch
+    _rows(cfg, "abc", shapes=((1, 512), (8, 2048))).to_csv(out, index=False)
+    old, done = B.resume_state(str(out), cfg, "abc")
+    assert done == {(1, 512), (8, 2048)}
+    assert len(old) == 4
+
+
+@pytest.mark.parametrize("what", ["options", "commit", "no-config", "no-out"])
+def test_resume_refuses_a_foreign_file_before_any_gpu_work(tmp_path, what):
+    cfg = B.bench_config(**OPTS)
+    out = tmp_path / "b.csv"
+    commit = git_commit()
+    if what == "options":
+        _rows(B.bench_config(**{**OPTS, "replays": 30}), commit).to_csv(out, index=False)
+        match = "other options"
+    elif what == "commit":
+        _rows(cfg, "0" * 40).to_csv(out, index=False)
+        match = "one commit"
+    elif what == "no-config":
+        _rows(cfg, commit).drop(columns="bench_config").to_csv(out, index=False)
+        match = "no bench_config"
+    else:
+        match = "needs the CSV"
+    with pytest.raises(ValueError, match=match):
+        B.run(**RUN_OPTS, out_csv=None if what == "no-out" else str(out), resume=True)
+
+
+def test_cli_resume_refusal_is_a_usage_error(tmp_path):
+    out = tmp_path / "b.csv"
+    _rows(B.bench_config(**OPTS), "0" * 40).to_csv(out, index=False)
+    res = CliRunner().invoke(app, ["bench", "--out", str(out), "--batches", "1", "--contexts", "512,2048",
+                                   "--tilings", "mfma16", "--partition-sizes", "256", "--replays", "5",
+                                   "--no-fused", "--no-cluster", "--no-shared", "--resume"])
+    assert res.exit_code == 2, res.output
+    assert "one commit" in res.output
+
+
+def test_frame_keeps_resumed_rows_and_their_provenance():
+    cfg = B.bench_config(**OPTS)
+    old = _rows(cfg, "abc")
+    new = [dict(tiling="mfma16", partition_size=256, num_seqs=1, max_seq_len=2048, time_us=20.0, gbps=2.0,
+                frac_peak_bw=0.4)]
+    prov = dict(device_name="NVIDIA H200", git_commit="abc", timestamp="2026-12-05T00:00:00+00:00",
+                command="cpa bench --resume")
+    df = B._frame(new, prov, dict(read_gbps=4500.0, copy_gbps=3900.0), "sm_90", cfg, old)
+    assert len(df) == 3
+    assert list(df.timestamp) == ["2026-12-04T00:00:00+00:00"] * 2 + ["2026-12-05T00:00:00+00:00"]
+    assert list(df.read_gbps_ceiling) == [4600.0, 4600.0, 4500.0]  # each row against its own run's ceiling
+    assert set(df.bench_config) == {cfg}
+
+
+@pytest.mark.gpu
+def test_resume_measures_only_the_missing_shapes(tmp_path):
+    out = str(tmp_path / "b.csv")
+    first, _ = B.run(**{**RUN_OPTS, "contexts": (512,)}, out_csv=out)
+    assert set(zip(first.num_seqs, first.max_seq_len)) == {(1, 512)}
+    both, _ = B.run(**RUN_OPTS, out_csv=out, resume=True)
+    on_disk = pd.read_csv(out)
+    assert len(on_disk) == len(both) == 2 * len(first)
+    kept = on_disk[on_disk.max_seq_len == 512].reset_index(drop=True)
+    pd.testing.assert_series_equal(kept.timestamp, first.timestamp.reset_index(drop=True), check_names=False)
+    pd.testing.assert_series_equal(kept.time_us, first.time_us.reset_index(drop=True), check_names=False)
+    assert on_disk.verified.all()
+    again, _ = B.run(**RUN_OPTS, out_csv=out, resume=True)  # nothing left: no GPU work, same table
+    assert len(again) == len(both)
