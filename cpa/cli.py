@@ -321,3 +321,36 @@ def profile(
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         typer.echo(df.drop(columns=["command"], errors="ignore").to_string(index=False))
     typer.echo(f"{len(df)} rows -> {out}")
+
+
+@app.command("read-patterns")
+def read_patterns(
+    out: str = typer.Option("data/bench/h200-read-patterns.csv", help="CSV to write (atomically)."),
+    num_seqs: int = typer.Option(8, help="sequences."),
+    seq_len: int = typer.Option(32768, help="context length of every sequence."),
+    partition_sizes: str = typer.Option("4096,8192", help="comma-separated partition sizes (tokens of one KV "
+                                        "head per program)."),
+    patterns: Optional[str] = typer.Option(None, help="comma-separated subset of contiguous,paged,paged_all_heads."),
+    block_order: str = typer.Option("shuffled", help="'shuffled' or 'sequential' physical blocks."),
+    kernel: bool = typer.Option(True, "--kernel/--no-kernel", help="time the CPA kernel (mfma16) and cuDNN SDPA "
+                                "at the same shape in the same run."),
+) -> None:
+    """Read a decode step's K/V bytes with a plain streaming reader in the contiguous layout,
+    the paged layout one KV head per program, and the paged layout whole physical blocks per
+    program (needs a GPU and Triton): what the layout costs, apart from any attention kernel."""
+    import pandas as pd
+
+    from . import bench as B
+    from . import readpattern as RP
+
+    try:
+        df, ceil = RP.run(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=tuple(_ints(partition_sizes)),
+                          patterns=tuple(_strs(patterns) or RP.PATTERNS), block_order=block_order, kernel_rows=kernel)
+    except ValueError as e:  # pattern, shape or block order refused before any GPU work
+        raise typer.BadParameter(str(e)) from None
+    B.write_csv_atomic(df, out)
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 200):
+        typer.echo(RP.best_per_pattern(df).round(3).to_string(index=False))
+    bad = df[(df.kind == "reader") & (df.get("verified", True) == False)]  # noqa: E712
+    typer.echo(f"\nread ceiling this run {ceil['read_gbps']:.0f} GB/s; {len(bad)} reader rows failed the checksum")
+    typer.echo(f"wrote {out}")

@@ -2,7 +2,7 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async,
-# ab-reduce, clusters, bench, sweep:<grid>, repeat, profile, sass.
+# ab-reduce, clusters, bench, sweep:<grid>, repeat, profile, sass, readpattern.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -290,6 +290,12 @@ PYEOF
       CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-} $resume" \
         timeout ${CPA_BENCH_TIMEOUT:-540} $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} $resume \
         2>&1 | tail -80
+      ;;
+    readpattern)
+      # the K/V bytes of 8 x 32k read by a plain Triton reader: contiguous, paged (one KV head
+      # per program, the CPA grid) and paged whole blocks, beside the kernel and SDPA (cpa.readpattern)
+      CPA_COMMAND="python3 -m cpa read-patterns ${CPA_RP_ARGS:-}" timeout ${CPA_RP_TIMEOUT:-480} \
+        $PY -m cpa read-patterns --out "$OUT/h200-read-patterns.csv" ${CPA_RP_ARGS:-} 2>&1 | tail -40
       ;;
     *) echo "unknown step $step"; exit 2;;
   esac

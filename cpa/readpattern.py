@@ -1,0 +1,240 @@
+"""What the bytes of a paged KV cache cost to read, apart from any attention kernel.
+
+`cpa bench` compares the CPA kernel with cuDNN SDPA, which reads K/V laid out contiguously;
+the read ceiling (cpa.ceilings) is a contiguous stream too. This module reads exactly the
+bytes one decode step reads -- every K and V element of every sequence's context, once --
+with a plain streaming reader (Triton, no math beyond a checksum) in three access patterns,
+over the same work decomposition as the kernel (a program per (sequence, partition, KV-head
+group), the CPA grid order):
+
+* ``contiguous``: K/V as SDPA gets them, [num_seqs, num_kv_heads, context, head_size]; a
+  program's bytes are one contiguous run per tensor.
+* ``paged``: the vLLM cache through the block table, one KV head per program, as the CPA
+  kernel reads it: one run of ``head_size * block_size`` elements (4 KB at head 128, block 16,
+  fp16) per physical block, at the block stride.
+* ``paged_all_heads``: the same cache, a program reading all KV heads of each physical block it
+  visits (one contiguous ``num_kv_heads`` times longer run per block per tensor), with a
+  ``num_kv_heads`` times shorter partition so programs and bytes per program stay the same.
+
+Each pattern runs a few reader shapes (blocks per iteration, warps, pipeline stages) and keeps
+the fastest: the best rate a simple reader gets from that layout. If ``paged`` reads as fast as
+``contiguous``, a paged kernel has no layout handicap against SDPA; if ``paged_all_heads``
+reads faster than ``paged``, a grid that reads whole physical blocks would gain.
+Needs a GPU and Triton (imported lazily).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+PATTERNS = ("contiguous", "paged", "paged_all_heads")
+# reader shapes tried per pattern: (physical blocks per loop iteration, warps, pipeline stages)
+READER_CONFIGS = tuple(itertools.product((1, 2, 4), (4, 8), (1, 3)))
+MAX_WORDS_PER_THREAD = 64  # reader shapes whose accumulator tile is larger are skipped (registers)
+
+
+def plan(pattern: str, *, num_seqs: int, seq_len: int, num_kv_heads: int, head_size: int, block_size: int,
+         elem_bytes: int, partition_size: int) -> dict:
+    """The grid and per-program work of one pattern: programs (seq, partition, head group),
+    blocks per program, 32-bit words per block run. Checks the shape divides evenly (the
+    reader has no tails: every program reads the same bytes)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern={pattern!r}: expected one of {PATTERNS}")
+    run_bytes = head_size * block_size * elem_bytes
+    if run_bytes % 4:
+        raise ValueError(f"head_size * block_size * elem_bytes = {run_bytes}: not whole 32-bit words")
+    heads_per_program = num_kv_heads if pattern == "paged_all_heads" else 1
+    if partition_size % (block_size * heads_per_program):
+        raise ValueError(f"partition_size={partition_size} must be a multiple of block_size x heads per program "
+                         f"({block_size} x {heads_per_program})")
+    tokens = partition_size // heads_per_program  # tokens per program: same bytes as one head's partition
+    if seq_len % tokens:
+        raise ValueError(f"seq_len={seq_len} must be a multiple of the program's {tokens} tokens "
+                         f"(partition_size {partition_size} over {heads_per_program} heads)")
+    return dict(pattern=pattern, heads_per_program=heads_per_program, tokens_per_program=tokens,
+                blocks_per_program=tokens // block_size, partitions=seq_len // tokens,
+                grid=(num_seqs, seq_len // tokens, num_kv_heads // heads_per_program),
+                words_per_run=run_bytes * heads_per_program // 4,
+                bytes=2 * num_seqs * seq_len * num_kv_heads * head_size * elem_bytes)
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_runs(k_ptr, v_ptr, bt_ptr, out_ptr, bt_stride, block_stride, blocks_per_seq, blocks_per_program,
+                  WORDS: tl.constexpr, NB: tl.constexpr, PAGED: tl.constexpr):
+        # program (seq, partition, head group); its blocks b in [first, first + blocks_per_program)
+        seq, part, grp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ngrp = tl.num_programs(2)
+        first = part * blocks_per_program
+        cols = tl.arange(0, WORDS)[None, :]
+        acc = tl.zeros([NB, WORDS], dtype=tl.int32)
+        for i in range(0, blocks_per_program, NB):
+            b = first + i + tl.arange(0, NB)
+            if PAGED:  # physical block through the table; the group's run inside it
+                pb = tl.load(bt_ptr + seq * bt_stride + b).to(tl.int64)
+                base = pb * block_stride + grp * WORDS
+            else:  # [seq, head, token, dim]: block b of (seq, head) is the b-th run of that row
+                base = ((seq * ngrp + grp).to(tl.int64) * blocks_per_seq + b) * WORDS
+            offs = base[:, None] + cols
+            acc += tl.load(k_ptr + offs)
+            acc += tl.load(v_ptr + offs)
+        pid = (seq * tl.num_programs(1) + part) * ngrp + grp
+        tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+    return read_runs
+
+
+def _wrap(x: int) -> int:
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def checksum(words) -> int:
+    """The int32-wrapping sum the reader computes, of a tensor of 32-bit words (any order)."""
+    import torch
+
+    return _wrap(int(words.to(torch.int64).sum().item()))
+
+
+class Reader:
+    """One pattern over one input set: ``__call__`` launches it, ``total()`` is its checksum."""
+
+    def __init__(self, pattern, sets_or_tensors, *, num_seqs, seq_len, num_kv_heads, head_size, block_size,
+                 elem_bytes, partition_size, blocks_per_iter=1, num_warps=4, num_stages=1):
+        import torch
+
+        self.plan = plan(pattern, num_seqs=num_seqs, seq_len=seq_len, num_kv_heads=num_kv_heads,
+                         head_size=head_size, block_size=block_size, elem_bytes=elem_bytes,
+                         partition_size=partition_size)
+        if self.plan["blocks_per_program"] % blocks_per_iter:
+            raise ValueError(f"blocks_per_iter={blocks_per_iter} must divide the program's "
+                             f"{self.plan['blocks_per_program']} blocks")
+        per_thread = blocks_per_iter * self.plan["words_per_run"] // (32 * num_warps)
+        if per_thread > MAX_WORDS_PER_THREAD:  # the accumulator alone would spill: not a streaming reader
+            raise ValueError(f"{blocks_per_iter} blocks x {self.plan['words_per_run']} words over {num_warps} warps: "
+                             f"{per_thread} accumulator words per thread (> {MAX_WORDS_PER_THREAD})")
+        k, v, bt = sets_or_tensors
+        self.k, self.v = k.view(torch.int32), v.view(torch.int32)
+        self.bt = bt
+        self.paged = pattern != "contiguous"
+        self.blocks_per_seq = seq_len // block_size
+        # int32 words between physical blocks (paged) -- the cache's stride 0 in words
+        self.block_stride = k.stride(0) * k.element_size() // 4 if self.paged else 0
+        self.out = torch.empty(math.prod(self.plan["grid"]), device=k.device, dtype=torch.int32)
+        self.meta = dict(WORDS=self.plan["words_per_run"], NB=blocks_per_iter, PAGED=self.paged,
+                         num_warps=num_warps, num_stages=num_stages)
+        self.kern = _kernel()
+
+    def __call__(self):
+        self.kern[self.plan["grid"]](self.k, self.v, self.bt, self.out, self.bt.stride(0) if self.paged else 0,
+                                     self.block_stride, self.blocks_per_seq, self.plan["blocks_per_program"],
+                                     **self.meta)
+
+    def total(self) -> int:
+        return checksum(self.out)
+
+
+def expected_total(pattern, k, v, bt, *, block_size, seq_len) -> int:
+    """The checksum of every K and V word the pattern must read (from torch, not the reader)."""
+    import torch
+
+    if pattern != "contiguous":  # every KV head of each sequence's blocks
+        used = bt[:, : seq_len // block_size].reshape(-1).long()
+        k, v = k[used], v[used]
+    return _wrap(checksum(k.contiguous().view(torch.int32)) + checksum(v.contiguous().view(torch.int32)))
+
+
+def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PATTERNS, configs=READER_CONFIGS,
+        replays=20, block_order="shuffled", progress=True, kernel_rows=True):
+    """Time every pattern x partition size x reader shape at one Llama-3.1-70B decode shape
+    (fp16, 8 KV heads, head 128, block 16; the bench's inputs, cpa.bench.make_sets), check each
+    reader's checksum, and return (rows DataFrame, ceilings). ``kernel_rows``: time the CPA
+    kernel (mfma16 at the same partition sizes) and cuDNN SDPA in the same run, through the
+    bench."""
+    import pandas as pd
+    import torch
+
+    from . import bench as B
+    from . import ceilings
+    from .provenance import provenance
+    from .timing import time_graph
+
+    B.check_block_order(block_order)
+    for p in patterns:  # refuse a bad pattern / shape before any GPU work
+        for P in partition_sizes:
+            plan(p, num_seqs=num_seqs, seq_len=seq_len, num_kv_heads=B.LLAMA70B["num_kv_heads"],
+                 head_size=B.LLAMA70B["head_size"], block_size=B.LLAMA70B["block_size"], elem_bytes=2,
+                 partition_size=P)
+    prov = provenance()
+    ceil = ceilings.measure()
+    sets = B.make_sets(num_seqs, seq_len, dtype=torch.float16, block_order=block_order, **B.LLAMA70B)
+    shape = dict(num_seqs=num_seqs, max_seq_len=seq_len, num_kv_heads=B.LLAMA70B["num_kv_heads"],
+                 head_size=B.LLAMA70B["head_size"], block_size=B.LLAMA70B["block_size"], elem_bytes=2)
+    inputs = {"paged": [(sets.key_cache, sets.value_cache, bt) for bt in sets.block_tables]}
+    inputs["paged_all_heads"] = inputs["paged"]
+    inputs["contiguous"] = [(*B.contiguous_kv(sets, i, seq_len), sets.block_tables[i])
+                            for i in range(len(sets.block_tables))]
+    todo = [(p, P, c) for p in patterns for P in partition_sizes for c in configs]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="read patterns", unit="reader")
+    rows = []
+    for pattern, P, (nb, warps, stages) in todo:
+        row = dict(pattern=pattern, partition_size=P, blocks_per_iter=nb, num_warps=warps, num_stages=stages,
+                   block_order=block_order, **{k: v for k, v in shape.items() if k != "elem_bytes"})
+        try:
+            readers = [Reader(pattern, t, partition_size=P, blocks_per_iter=nb, num_warps=warps, num_stages=stages,
+                              **{k: v for k, v in shape.items() if k != "max_seq_len"}, seq_len=seq_len)
+                       for t in inputs[pattern]]
+        except ValueError as e:  # this reader shape does not divide the program's blocks
+            row.update(error=str(e))
+            rows.append(row)
+            if bar:
+                bar.update(1)
+            continue
+        r0 = readers[0]
+        r0.out.fill_(0x5A5A5A5A)  # poisoned: a program that never stores shows in the checksum
+        r0()
+        torch.cuda.synchronize()
+        want = expected_total(pattern, *inputs[pattern][0], block_size=shape["block_size"], seq_len=seq_len)
+        t = time_graph(readers, replays=replays)
+        row.update(t.as_dict(), programs=math.prod(r0.plan["grid"]), bytes=r0.plan["bytes"],
+                   gbps=r0.plan["bytes"] / (t.median_us * 1e-6) / 1e9, verified=r0.total() == want)
+        row["frac_peak_bw"] = row["gbps"] / ceil["read_gbps"]
+        rows.append(row)
+        if bar:
+            bar.update(1)
+    if bar:
+        bar.close()
+    del inputs, sets
+    torch.cuda.empty_cache()
+    df = pd.DataFrame(rows)
+    df["kind"] = "reader"
+    if kernel_rows:
+        kr, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
+                      replays=30, sdpa=True, fused=False, cluster=False, shared=False, progress=False,
+                      block_order=block_order)
+        kr = kr.rename(columns={"tiling": "pattern"}).assign(kind="kernel")
+        keep = [c for c in ("pattern", "partition_size", "num_seqs", "max_seq_len", "time_us", "time_us_p25",
+                            "time_us_p75", "gbps", "frac_peak_bw", "verified", "kind", "block_order") if c in kr]
+        df = pd.concat([df, kr[keep]], ignore_index=True)
+    for kk, vv in prov.items():
+        df[kk] = vv
+    df["read_gbps_ceiling"] = ceil["read_gbps"]
+    df["copy_gbps_ceiling"] = ceil["copy_gbps"]
+    return df, ceil
+
+
+def best_per_pattern(df):
+    """The fastest verified reader of each (pattern, partition size), and the kernel rows."""
+    ok = df[(df.kind == "kernel") | (df.get("verified", True) == True)]  # noqa: E712
+    ok = ok[ok.time_us.notna()]
+    best = ok.loc[ok.groupby(["kind", "pattern", "partition_size"]).time_us.idxmin()]
+    cols = [c for c in ("kind", "pattern", "partition_size", "blocks_per_iter", "num_warps", "num_stages", "programs",
+                        "time_us", "gbps", "frac_peak_bw") if c in best]
+    return best[cols].sort_values(["kind", "time_us"]).reset_index(drop=True)

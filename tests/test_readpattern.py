@@ -1,0 +1,84 @@
+"""cpa.readpattern: the K/V bytes of a decode step read in three layouts by one streaming
+reader. CPU: the work plans (same bytes and programs in every pattern) and the refusals; GPU:
+every reader's checksum matches torch's sum of the words it must read, and a reader that
+misses a block fails it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpa import readpattern as RP
+
+SHAPE = dict(num_seqs=8, seq_len=32768, num_kv_heads=8, head_size=128, block_size=16, elem_bytes=2)
+
+
+def test_plans_read_the_same_bytes_with_the_same_programs():
+    plans = {p: RP.plan(p, partition_size=8192, **SHAPE) for p in RP.PATTERNS}
+    kv_bytes = 2 * 8 * 32768 * 8 * 128 * 2
+    for p, pl in plans.items():
+        assert pl["bytes"] == kv_bytes, p
+        n = pl["grid"][0] * pl["grid"][1] * pl["grid"][2]
+        assert n == 256, p  # 8 sequences x 4 partitions x 8 heads: cuDNN's split grid too
+        assert n * pl["blocks_per_program"] * pl["words_per_run"] * 4 * 2 == kv_bytes, p
+    assert plans["paged"]["grid"] == plans["contiguous"]["grid"] == (8, 4, 8)
+    assert plans["paged"]["words_per_run"] == 128 * 16 * 2 // 4  # one head of one block: 4 KB
+    assert plans["paged_all_heads"]["grid"] == (8, 32, 1)
+    assert plans["paged_all_heads"]["words_per_run"] == 8 * 1024  # all heads of a block: 32 KB
+    assert plans["paged_all_heads"]["tokens_per_program"] == 1024
+
+
+@pytest.mark.parametrize("pattern,kw,match", [
+    ("strided", {}, "expected one of"),
+    ("paged", dict(partition_size=8200), "multiple of block_size"),
+    ("paged_all_heads", dict(partition_size=64), "multiple of block_size x heads"),
+    ("paged", dict(partition_size=8192, seq_len=12288), "multiple of the program's"),
+    ("paged", dict(partition_size=256, head_size=5, block_size=2, elem_bytes=1), "32-bit words"),
+])
+def test_plan_refuses_shapes_the_reader_cannot_split_evenly(pattern, kw, match):
+    args = {**SHAPE, "partition_size": 4096, **kw}
+    with pytest.raises(ValueError, match=match):
+        RP.plan(pattern, **args)
+
+
+def test_run_refuses_before_any_gpu_work():
+    with pytest.raises(ValueError, match="expected one of"):
+        RP.run(patterns=("paged", "strided"), progress=False)
+    with pytest.raises(ValueError, match="block_order"):
+        RP.run(block_order="random", progress=False)
+
+
+def test_checksum_wraps_like_int32():
+    import torch
+
+    words = torch.tensor([2**31 - 1, 1, -(2**31), -1], dtype=torch.int32)
+    assert RP.checksum(words[:2]) == -(2**31)
+    assert RP.checksum(words[2:]) == 2**31 - 1
+    assert RP.checksum(words) == -1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", RP.PATTERNS)
+def test_reader_reads_every_word_once(pattern):
+    import torch
+
+    from cpa import bench as B
+
+    S, ctx = 2, 2048
+    sets = B.make_sets(S, ctx, dtype=torch.float16, **B.LLAMA70B)
+    shape = dict(num_seqs=S, seq_len=ctx, num_kv_heads=8, head_size=128, block_size=16, elem_bytes=2)
+    bt = sets.block_tables[0]
+    t = B.contiguous_kv(sets, 0, ctx) + (bt,) if pattern == "contiguous" else (sets.key_cache, sets.value_cache, bt)
+    want = RP.expected_total(pattern, *t, block_size=16, seq_len=ctx)
+    for nb, warps, stages in ((1, 4, 1), (2, 8, 3)):
+        r = RP.Reader(pattern, t, partition_size=1024, blocks_per_iter=nb, num_warps=warps, num_stages=stages, **shape)
+        r.out.fill_(0x5A5A5A5A)
+        r()
+        torch.cuda.synchronize()
+        assert r.total() == want, (nb, warps, stages)
+    if pattern != "contiguous":  # one block read twice, another never: the checksum says so
+        bad = bt.clone()
+        bad[1, 5] = bt[1, 4]
+        r = RP.Reader(pattern, (t[0], t[1], bad), partition_size=1024, **shape)
+        r()
+        torch.cuda.synchronize()
+        assert r.total() != want
