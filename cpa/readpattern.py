@@ -29,8 +29,10 @@ import itertools
 import math
 
 PATTERNS = ("contiguous", "paged", "paged_all_heads")
-# reader shapes tried per pattern: (physical blocks per loop iteration, warps, pipeline stages)
-READER_CONFIGS = tuple(itertools.product((1, 2, 4), (4, 8), (1, 3)))
+# reader shapes tried per pattern: (physical blocks per loop iteration, warps, pipeline stages).
+# Bytes in flight per program are blocks x the run x 2 (K and V); Triton does not pipeline
+# these loads itself (the same cubin at 1 and 3 stages, Triton 3.9 for sm_90), hence the blocks.
+READER_CONFIGS = tuple(itertools.product((1, 2, 4, 8, 16), (4, 8), (1,)))
 MAX_WORDS_PER_THREAD = 64  # reader shapes whose accumulator tile is larger are skipped (registers)
 
 
@@ -44,6 +46,10 @@ def plan(pattern: str, *, num_seqs: int, seq_len: int, num_kv_heads: int, head_s
     run_bytes = head_size * block_size * elem_bytes
     if run_bytes % 4:
         raise ValueError(f"head_size * block_size * elem_bytes = {run_bytes}: not whole 32-bit words")
+    words = run_bytes // 4
+    if words < 16 or words & (words - 1):
+        raise ValueError(f"head_size * block_size * elem_bytes = {run_bytes} bytes: the reader takes a run of a "
+                         "power-of-two number of 32-bit words, at least 16")
     heads_per_program = num_kv_heads if pattern == "paged_all_heads" else 1
     if partition_size % (block_size * heads_per_program):
         raise ValueError(f"partition_size={partition_size} must be a multiple of block_size x heads per program "
@@ -70,18 +76,27 @@ def _kernel():
         seq, part, grp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         ngrp = tl.num_programs(2)
         first = part * blocks_per_program
+        last = first + blocks_per_program
         cols = tl.arange(0, WORDS)[None, :]
         acc = tl.zeros([NB, WORDS], dtype=tl.int32)
+        row = bt_ptr + seq * bt_stride
+        b = first + tl.arange(0, NB)
+        if PAGED:
+            pb = tl.load(row + b)
         for i in range(0, blocks_per_program, NB):
-            b = first + i + tl.arange(0, NB)
             if PAGED:  # physical block through the table; the group's run inside it
-                pb = tl.load(bt_ptr + seq * bt_stride + b).to(tl.int64)
-                base = pb * block_stride + grp * WORDS
+                # the next iteration's table entries first, so its loads need not wait for them
+                pb_next = tl.load(row + b + NB, mask=b + NB < last, other=0)
+                base = pb.to(tl.int64) * block_stride + grp * WORDS
             else:  # [seq, head, token, dim]: block b of (seq, head) is the b-th run of that row
                 base = ((seq * ngrp + grp).to(tl.int64) * blocks_per_seq + b) * WORDS
-            offs = base[:, None] + cols
+            # runs start on whole runs (Triton then issues 16-byte loads)
+            offs = tl.multiple_of(base, 16)[:, None] + cols
             acc += tl.load(k_ptr + offs)
             acc += tl.load(v_ptr + offs)
+            b += NB
+            if PAGED:
+                pb = pb_next
         pid = (seq * tl.num_programs(1) + part) * ngrp + grp
         tl.store(out_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
 

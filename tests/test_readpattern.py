@@ -33,6 +33,7 @@ def test_plans_read_the_same_bytes_with_the_same_programs():
     ("paged_all_heads", dict(partition_size=64), "multiple of block_size x heads"),
     ("paged", dict(partition_size=8192, seq_len=12288), "multiple of the program's"),
     ("paged", dict(partition_size=256, head_size=5, block_size=2, elem_bytes=1), "32-bit words"),
+    ("paged", dict(partition_size=256, head_size=24, block_size=16, elem_bytes=2), "power-of-two"),
 ])
 def test_plan_refuses_shapes_the_reader_cannot_split_evenly(pattern, kw, match):
     args = {**SHAPE, "partition_size": 4096, **kw}
