@@ -285,6 +285,7 @@ PYEOF
       # the whole table outlasts one call: CPA_BENCH_RESUME=<the CSV an earlier call brought back,
       # copied into the working tree> continues it (same options, same commit; shapes it holds
       # are kept, the rest measured); a timeout keeps the shapes finished (OUT is rewritten after each)
+      $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"  # in parallel, not one by one inside the timeout
       resume=""
       if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/h200-kernel.csv"; resume="--resume"; fi
       CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-} $resume" \
