@@ -351,6 +351,8 @@ def read_patterns(
     B.write_csv_atomic(df, out)
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 200):
         typer.echo(RP.best_per_pattern(df).round(3).to_string(index=False))
+        typer.echo("\nGB/s by KB in flight per program and iteration (best over warps):")
+        typer.echo(RP.rate_by_bytes_in_flight(df).to_string())
     bad = df[(df.kind == "reader") & (df.get("verified", True) == False)]  # noqa: E712
     typer.echo(f"\nread ceiling this run {ceil['read_gbps']:.0f} GB/s; {len(bad)} reader rows failed the checksum")
     typer.echo(f"wrote {out}")

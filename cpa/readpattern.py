@@ -253,3 +253,16 @@ def best_per_pattern(df):
     cols = [c for c in ("kind", "pattern", "partition_size", "blocks_per_iter", "num_warps", "num_stages", "programs",
                         "time_us", "gbps", "frac_peak_bw") if c in best]
     return best[cols].sort_values(["kind", "time_us"]).reset_index(drop=True)
+
+
+def rate_by_bytes_in_flight(df):
+    """GB/s of each (pattern, partition size) against the bytes one program has in flight per
+    loop iteration (blocks per iteration x run x 2 tensors; best over warps): does the layout's
+    rate still grow past what one CPA workgroup keeps in flight (64 KB at head 128, fp16)?"""
+    d = df[(df.kind == "reader") & (df.get("verified", False) == True)].copy()  # noqa: E712
+    if d.empty:
+        return d
+    per_block = d.bytes / (d.num_seqs * d.max_seq_len / d.block_size)  # K + V bytes of one block, all heads
+    heads = (d.pattern == "paged_all_heads") * (d.num_kv_heads - 1) + 1  # KV heads one program reads per block
+    d["kb_in_flight"] = (d.blocks_per_iter * per_block / d.num_kv_heads * heads / 1024).round(0).astype(int)
+    return d.pivot_table(index=["pattern", "partition_size"], columns="kb_in_flight", values="gbps", aggfunc="max").round(0)

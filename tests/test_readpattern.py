@@ -83,3 +83,27 @@ def test_reader_reads_every_word_once(pattern):
         r()
         torch.cuda.synchronize()
         assert r.total() != want
+
+
+def test_summaries_of_a_run_table():
+    import pandas as pd
+
+    rows = []
+    for pattern, nb, warps, us in (("paged", 8, 4, 250.0), ("paged", 8, 8, 240.0), ("paged", 16, 8, 235.0),
+                                   ("contiguous", 8, 8, 233.0), ("paged_all_heads", 1, 8, 238.0)):
+        rows.append(dict(kind="reader", pattern=pattern, partition_size=8192, blocks_per_iter=nb, num_warps=warps,
+                         num_stages=1, num_seqs=8, max_seq_len=32768, num_kv_heads=8, head_size=128, block_size=16,
+                         bytes=2 * 8 * 32768 * 8 * 128 * 2, time_us=us, verified=True))
+    rows.append(dict(rows[0], pattern="paged", blocks_per_iter=4, time_us=100.0, verified=False))  # failed checksum
+    rows.append(dict(kind="kernel", pattern="sdpa_cudnn", partition_size=0, time_us=239.0, verified=True))
+    df = pd.DataFrame(rows)
+    df["gbps"] = df.bytes / (df.time_us * 1e-6) / 1e9
+    best = RP.best_per_pattern(df)
+    paged = best[(best.kind == "reader") & (best.pattern == "paged")]
+    assert len(paged) == 1 and paged.time_us.iloc[0] == 235.0  # the unverified 100 us row is not a rate
+    assert set(best.pattern) == {"paged", "contiguous", "paged_all_heads", "sdpa_cudnn"}
+    table = RP.rate_by_bytes_in_flight(df)
+    # 8 blocks x 4 KB x 2 = 64 KB per program (one CPA workgroup's step), 16 blocks 128 KB; all heads: 64 KB per block
+    assert list(table.columns) == [64, 128]
+    assert table.loc[("paged", 8192), 64] == round(df.gbps[1]) and table.loc[("paged", 8192), 128] == round(df.gbps[2])
+    assert table.loc[("paged_all_heads", 8192), 64] == round(df.gbps[4])
