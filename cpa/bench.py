@@ -130,6 +130,9 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     from .timing import time_graph
 
     check_block_order(block_order)  # before any GPU work
+    bad = [x for x in (*batches, *contexts) if int(x) < 1]
+    if bad or not batches or not contexts:
+        raise ValueError(f"batches={tuple(batches)}, contexts={tuple(contexts)}: expected positive sizes")
     tilings = tuple(tilings or V.TILINGS)
     partition_sizes = tuple(partition_sizes or V.PARTITION_SIZES)
     if dtype_name not in ("fp16", "bf16"):

@@ -43,6 +43,11 @@ def plan(pattern: str, *, num_seqs: int, seq_len: int, num_kv_heads: int, head_s
     reader has no tails: every program reads the same bytes)."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern={pattern!r}: expected one of {PATTERNS}")
+    for name, x in (("num_seqs", num_seqs), ("seq_len", seq_len), ("num_kv_heads", num_kv_heads),
+                    ("head_size", head_size), ("block_size", block_size), ("elem_bytes", elem_bytes),
+                    ("partition_size", partition_size)):
+        if int(x) < 1:
+            raise ValueError(f"{name}={x}: expected a positive size")
     run_bytes = head_size * block_size * elem_bytes
     if run_bytes % 4:
         raise ValueError(f"head_size * block_size * elem_bytes = {run_bytes}: not whole 32-bit words")

@@ -68,6 +68,12 @@ def test_resume_refuses_a_foreign_file_before_any_gpu_work(tmp_path, what):
         B.run(**RUN_OPTS, out_csv=None if what == "no-out" else str(out), resume=True)
 
 
+@pytest.mark.parametrize("batches,contexts", [((0,), (512,)), ((1,), (512, -1)), ((), (512,))])
+def test_run_refuses_empty_or_non_positive_shapes_before_any_gpu_work(batches, contexts):
+    with pytest.raises(ValueError, match="expected positive sizes"):
+        B.run(**{**RUN_OPTS, "batches": batches, "contexts": contexts})
+
+
 def test_cli_resume_refusal_is_a_usage_error(tmp_path):
     out = tmp_path / "b.csv"
     _rows(B.bench_config(**OPTS), "0" * 40).to_csv(out, index=False)

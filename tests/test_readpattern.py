@@ -29,6 +29,8 @@ def test_plans_read_the_same_bytes_with_the_same_programs():
 
 @pytest.mark.parametrize("pattern,kw,match", [
     ("strided", {}, "expected one of"),
+    ("paged", dict(num_seqs=0), "num_seqs=0"),
+    ("contiguous", dict(seq_len=-16), "seq_len=-16"),
     ("paged", dict(partition_size=8200), "multiple of block_size"),
     ("paged_all_heads", dict(partition_size=64), "multiple of block_size x heads"),
     ("paged", dict(partition_size=8192, seq_len=12288), "multiple of the program's"),
