@@ -189,7 +189,10 @@ def static(
         filters["tilings"] = tuple(_strs(tilings))
     if partition_sizes:
         filters["partition_sizes"] = tuple(_ints(partition_sizes))
-    vs = S.variants_for_arch(arch, **filters)
+    try:
+        vs = S.variants_for_arch(arch, **filters)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--arch") from None
     df = S.compile_variants(vs, arch, jobs=jobs)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = out + ".tmp"

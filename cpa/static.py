@@ -294,6 +294,7 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
     sources; their digest is the ``sources_digest`` column."""
     import pandas as pd
 
+    check_arch(arch)
     platform = V.platform_of_arch(arch)
     variants = [v for v in variants if v.platform == platform]
     groups: dict = defaultdict(list)
@@ -327,5 +328,13 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
                            "partition_size"]).reset_index(drop=True)
 
 
+def check_arch(arch: str) -> None:
+    """Only the targets whose compile flags and resource parsing this module knows (a typo
+    such as gfx924 would otherwise start hundreds of failing compiler runs)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}: cpa static compiles for {', '.join(ARCHS)}")
+
+
 def variants_for_arch(arch: str, **filters):
+    check_arch(arch)
     return list(V.all_variants(V.platform_of_arch(arch), **filters))

@@ -38,3 +38,10 @@ def test_python_m_cpa_help():
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr
     assert "compare" in res.stdout
+
+
+def test_static_refuses_an_unknown_arch_before_compiling(tmp_path):
+    out = tmp_path / "x.csv"
+    res = CliRunner().invoke(app, ["static", "--arch", "gfx924", "--out", str(out)])
+    assert res.exit_code == 2 and "gfx942, gfx90a, sm_90" in res.output, res.output
+    assert not out.exists()
