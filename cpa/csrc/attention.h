@@ -9,10 +9,17 @@
 
 namespace cpa {
 
-// Resident workgroups per SM/CU the compiler must allow (register budget); 1 leaves the
-// choice to the compiler. A research knob: set through CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3.
+// Resident workgroups per SM/CU the compiler must allow (the second __launch_bounds__
+// argument; HIP turns it into amdgpu_waves_per_eu, which for 4-wave workgroups is the same
+// number). N > 0: N for every variant, a research knob (CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3).
+// 0 (default): 1, the compiler's choice, except AMD mfma16 at head <= 128, which asks for 2:
+// left alone, clang puts the output accumulators in AGPRs and allocates VGPRs and AGPRs apart
+// (gfx942 head 128: 145 + 32 = 2 waves per SIMD); asked for 2, it keeps them in VGPRs (146,
+// no spills) and the kernel fits 3 waves per SIMD (head 64: 4 -> 5). Compiled only (clang 19,
+// gfx942 and gfx90a; data/static): no MI300 has run it. mfma4, scalar and head 256 gain
+// nothing there (LDS- or register-bound, spills), NVIDIA spilled at 3 (1.5-1.9x slower).
 #ifndef CPA_MIN_BLOCKS
-#define CPA_MIN_BLOCKS 1
+#define CPA_MIN_BLOCKS 0
 #endif
 // 0 compiles the fused-reduce epilogue out (then only the two-kernel path exists): an A/B knob
 // for its cost to the attention kernel when it is not used.
@@ -131,6 +138,9 @@ struct AttnConfig {
   // load V after QK (CPA_V_AFTER_QK): forced, or by default the NVIDIA mma tilings at head >= 256
   static constexpr bool v_after_qk =
       CPA_V_AFTER_QK > 0 || (CPA_V_AFTER_QK < 0 && kNvidia && HEAD >= 256 && !Same<Tag, TilingScalar>::value);
+  // resident workgroups the register budget must allow (CPA_MIN_BLOCKS)
+  static constexpr int min_blocks =
+      CPA_MIN_BLOCKS > 0 ? CPA_MIN_BLOCKS : (!kNvidia && Same<Tag, TilingMfma16>::value && HEAD <= 128 ? 2 : 1);
   using MathT = typename Pick<half_math, F16, T>::type;
   using Tiles = typename TilingFor<Tag, MathT, HEAD, BLOCK, FP8, CAP, NUM_WAVES>::type;
   static constexpr int head_size = HEAD, block_size = BLOCK, partition_size = PARTITION;
@@ -710,7 +720,7 @@ CPA_DEVICE float query_to_half(Q& q) {
 // STEAL: the shared-steps kernel (p.steal set; direct loads only), a separate instantiation so
 // that the fixed-partition kernel is compiled exactly as without it.
 template <class Cfg, bool STEAL = false>
-__global__ void __launch_bounds__(Cfg::THREADS, CPA_MIN_BLOCKS) paged_attention_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention_kernel(const AttnParams p) {
   using Tl = typename Cfg::Tiles;
   using T = typename Cfg::Dtype;
   constexpr int HEAD = Cfg::head_size, BLOCK = Cfg::block_size, PARTITION = Cfg::partition_size;
