@@ -96,6 +96,24 @@ def test_gfx942_every_variant_compiles_with_expected_mfma(gfx942):
     assert (att.global_loads > 0).all()
 
 
+def test_gfx942_mfma16_keeps_accumulators_in_vgprs_for_a_third_wave(gfx942, tmp_path):
+    """CPA_MIN_BLOCKS=0 (the per-variant rule): AMD mfma16 at head <= 128 asks clang for two
+    resident workgroups; it then keeps the output accumulators in VGPRs (no AGPRs, no
+    scratch) and head 128 fits 3 waves per SIMD, head 64 5. Forced back to 1 the same kernel
+    takes AGPRs and 2 waves per SIMD at head 128 -- the rule is what moves it."""
+    from cpa import static
+
+    att = gfx942[(gfx942.kernel == "attention") & (gfx942.tiling == "mfma16") & (gfx942.head_size <= 128)]
+    assert len(att) > 0
+    assert (att.agprs == 0).all() and (att.scratch_bytes == 0).all(), att[["variant", "agprs", "scratch_bytes"]]
+    assert (att[att.head_size == 128].waves_per_simd_compiler >= 3).all()
+    assert (att[att.head_size == 64].waves_per_simd_compiler >= 5).all()
+    v = V.Variant("mfma16", 256, 128, 16, "fp16", "auto", 16, "hip")
+    res, _ = static._compile_amd([v], "gfx942", tmp_path, flags=["-DCPA_MIN_BLOCKS=1"])
+    old = next(r for k, r in res.items() if static.attention_symbol_key(v) in k)
+    assert int(old["AGPRs"]) > 0 and int(old["Occupancy [waves/SIMD]"]) == 2, old
+
+
 def test_sm90_every_variant_compiles_with_expected_mma(sm90):
     _check_mma(sm90, "sm_90")
     att = sm90[sm90.kernel == "attention"]
