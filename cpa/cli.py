@@ -177,6 +177,9 @@ def static(
     tilings: Optional[str] = typer.Option(None, help="comma-separated tilings (default: all)."),
     partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes (default: all)."),
     jobs: Optional[int] = typer.Option(None, help="parallel compiler processes (default: all cores)."),
+    head_sizes: Optional[str] = typer.Option(None, help="comma-separated head sizes (default: all)."),
+    flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions for a knob's build "
+                                        "(e.g. '-DCPA_MIN_BLOCKS=1'; column `build_flags`)."),
 ) -> None:
     """Compile every valid variant for an arch (no GPU) and record resources and instruction mix."""
     import os
@@ -189,11 +192,16 @@ def static(
         filters["tilings"] = tuple(_strs(tilings))
     if partition_sizes:
         filters["partition_sizes"] = tuple(_ints(partition_sizes))
+    if head_sizes:
+        filters["head_sizes"] = tuple(_ints(head_sizes))
     try:
         vs = S.variants_for_arch(arch, **filters)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--arch") from None
-    df = S.compile_variants(vs, arch, jobs=jobs)
+    try:
+        df = S.compile_variants(vs, arch, jobs=jobs, flags=tuple((flags or "").split()))
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--flags") from None
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     tmp = out + ".tmp"
     df.to_csv(tmp, index=False)

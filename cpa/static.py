@@ -250,11 +250,11 @@ def _compile_nv(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[di
     return res, {f: ptx_mix(m) for f, m in funcs.items()}
 
 
-def _rows_for_group(group, arch, inc: Path = CSRC) -> list[dict]:
+def _rows_for_group(group, arch, inc: Path = CSRC, flags=()) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="cpa-static-"))
     try:
         amd = arch.startswith("gfx")
-        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work, inc)
+        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work, inc, flags=flags)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
@@ -287,14 +287,20 @@ def _rows_for_group(group, arch, inc: Path = CSRC) -> list[dict]:
     return rows
 
 
-def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: bool = True):
+def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: bool = True, flags=()):
     """One row per (variant, kernel) as a pandas DataFrame.
 
     The kernel headers are copied once at the start, so every row comes from the same
-    sources; their digest is the ``sources_digest`` column."""
+    sources; their digest is the ``sources_digest`` column. ``flags``: extra compiler flags
+    (a knob's build, e.g. ``-DCPA_MIN_BLOCKS=1``), recorded in the ``build_flags`` column ("" for
+    the default build)."""
     import pandas as pd
 
     check_arch(arch)
+    flags = tuple(flags)
+    bad = [f for f in flags if not f.startswith("-D")]
+    if bad:
+        raise ValueError(f"flags {bad}: only -DNAME[=VALUE] knob definitions (the tables compare builds of one source)")
     platform = V.platform_of_arch(arch)
     variants = [v for v in variants if v.platform == platform]
     groups: dict = defaultdict(list)
@@ -311,7 +317,7 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
     try:
         digest = snapshot_sources(inc)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futs = {pool.submit(_rows_for_group, g, arch, inc): g for g in groups.values()}
+            futs = {pool.submit(_rows_for_group, g, arch, inc, flags): g for g in groups.values()}
             for f in futs:
                 rows.extend(f.result())
                 if bar:
@@ -322,6 +328,8 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
         bar.close()
     df = pd.DataFrame(rows)
     df["sources_digest"] = digest[:16]
+    if flags:  # the default tables keep their columns; a knob's table says which build it is
+        df["build_flags"] = " ".join(flags)
     mma_cols = sorted(c for c in df.columns if c.startswith("mma:"))
     df[mma_cols] = df[mma_cols].fillna(0).astype(int)
     return df.sort_values(["kernel", "tiling", "dtype", "kv_cache_dtype", "heads_cap", "head_size", "block_size",
