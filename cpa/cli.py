@@ -343,8 +343,10 @@ def read_patterns(
                                         "head per program)."),
     patterns: Optional[str] = typer.Option(None, help="comma-separated subset of contiguous,paged,paged_all_heads."),
     block_order: str = typer.Option("shuffled", help="'shuffled' or 'sequential' physical blocks."),
+    kv_cache_dtype: str = typer.Option("auto", help="'auto' (2-byte elements, the bench's fp16 cache) or 'fp8' "
+                                       "(1-byte: half the run per block)."),
     kernel: bool = typer.Option(True, "--kernel/--no-kernel", help="time the CPA kernel (mfma16) and cuDNN SDPA "
-                                "at the same shape in the same run."),
+                                "at the same shape in the same run (fp16 cache only)."),
 ) -> None:
     """Read a decode step's K/V bytes with a plain streaming reader in the contiguous layout,
     the paged layout one KV head per program, and the paged layout whole physical blocks per
@@ -356,7 +358,8 @@ def read_patterns(
 
     try:
         df, ceil = RP.run(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=tuple(_ints(partition_sizes)),
-                          patterns=tuple(_strs(patterns) or RP.PATTERNS), block_order=block_order, kernel_rows=kernel)
+                          patterns=tuple(_strs(patterns) or RP.PATTERNS), block_order=block_order, kernel_rows=kernel,
+                          kv_cache_dtype=kv_cache_dtype)
     except ValueError as e:  # pattern, shape or block order refused before any GPU work
         raise typer.BadParameter(str(e)) from None
     B.write_csv_atomic(df, out)

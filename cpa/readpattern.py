@@ -167,13 +167,50 @@ def expected_total(pattern, k, v, bt, *, block_size, seq_len) -> int:
     return _wrap(checksum(k.contiguous().view(torch.int32)) + checksum(v.contiguous().view(torch.int32)))
 
 
+KV_BYTES = {"auto": 2, "fp8": 1}  # bytes per cached element: the bench's fp16 cache, or fp8 e4m3
+
+
+def make_byte_sets(num_seqs, seq_len, *, num_kv_heads, head_size, block_size, elem_bytes, block_order="shuffled",
+                   seed=0, device="cuda", pool_bytes=None):
+    """Random cache bytes for the reader, which never interprets them: a pool of physical blocks
+    ([pool, num_kv_heads, run] uint8, one run = head_size x block_size elements, as both of
+    vLLM's caches hold one (block, KV head)) for K and for V, disjoint block tables per input set
+    (shuffled or sequential, as `cpa bench`), and per set contiguous K and V ([num_seqs,
+    num_kv_heads, seq_len x head_size] bytes, SDPA's layout). The pool covers >= 1 GiB (the bench's
+    POOL_BYTES), far past the L2. Returns {pattern: [(k, v, block_table) per set]}."""
+    import torch
+
+    from . import bench as B
+
+    B.check_block_order(block_order)
+    run = head_size * block_size * elem_bytes
+    bps = seq_len // block_size
+    need = num_seqs * bps
+    pool = max(need, math.ceil((pool_bytes or B.POOL_BYTES) / (2 * num_kv_heads * run)))
+    n_sets = max(1, min(B.MAX_SETS, pool // need))
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand_bytes(*shape):
+        return torch.randint(0, 256, shape, device=device, dtype=torch.uint8, generator=g)
+
+    kc, vc = rand_bytes(pool, num_kv_heads, run), rand_bytes(pool, num_kv_heads, run)
+    perm = torch.randperm(pool, device=device, generator=g) if block_order == "shuffled" else \
+        torch.arange(pool, device=device)
+    bts = [perm[i * need:(i + 1) * need].view(num_seqs, bps).to(torch.int32).contiguous() for i in range(n_sets)]
+    paged = [(kc, vc, bt) for bt in bts]
+    contiguous = [(rand_bytes(num_seqs, num_kv_heads, seq_len * head_size * elem_bytes),
+                   rand_bytes(num_seqs, num_kv_heads, seq_len * head_size * elem_bytes), bt) for bt in bts]
+    return {"paged": paged, "paged_all_heads": paged, "contiguous": contiguous}
+
+
 def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PATTERNS, configs=READER_CONFIGS,
-        replays=20, block_order="shuffled", progress=True, kernel_rows=True):
+        replays=20, block_order="shuffled", progress=True, kernel_rows=True, kv_cache_dtype="auto"):
     """Time every pattern x partition size x reader shape at one Llama-3.1-70B decode shape
-    (fp16, 8 KV heads, head 128, block 16; the bench's inputs, cpa.bench.make_sets), check each
+    (8 KV heads, head 128, block 16; random cache bytes, make_byte_sets), check each
     reader's checksum, and return (rows DataFrame, ceilings). ``kernel_rows``: time the CPA
     kernel (mfma16 at the same partition sizes) and cuDNN SDPA in the same run, through the
-    bench."""
+    bench. ``kv_cache_dtype``: "auto" (the fp16 cache) or "fp8" (1-byte elements: 2 KB runs at
+    head 128, block 16; the kernel rows are fp16-only, so there are none)."""
     import pandas as pd
     import torch
 
@@ -183,20 +220,20 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     from .timing import time_graph
 
     B.check_block_order(block_order)
+    if kv_cache_dtype not in KV_BYTES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {tuple(KV_BYTES)}")
+    elem = KV_BYTES[kv_cache_dtype]
     for p in patterns:  # refuse a bad pattern / shape before any GPU work
         for P in partition_sizes:
             plan(p, num_seqs=num_seqs, seq_len=seq_len, num_kv_heads=B.LLAMA70B["num_kv_heads"],
-                 head_size=B.LLAMA70B["head_size"], block_size=B.LLAMA70B["block_size"], elem_bytes=2,
+                 head_size=B.LLAMA70B["head_size"], block_size=B.LLAMA70B["block_size"], elem_bytes=elem,
                  partition_size=P)
     prov = provenance()
     ceil = ceilings.measure()
-    sets = B.make_sets(num_seqs, seq_len, dtype=torch.float16, block_order=block_order, **B.LLAMA70B)
     shape = dict(num_seqs=num_seqs, max_seq_len=seq_len, num_kv_heads=B.LLAMA70B["num_kv_heads"],
-                 head_size=B.LLAMA70B["head_size"], block_size=B.LLAMA70B["block_size"], elem_bytes=2)
-    inputs = {"paged": [(sets.key_cache, sets.value_cache, bt) for bt in sets.block_tables]}
-    inputs["paged_all_heads"] = inputs["paged"]
-    inputs["contiguous"] = [(*B.contiguous_kv(sets, i, seq_len), sets.block_tables[i])
-                            for i in range(len(sets.block_tables))]
+                 head_size=B.LLAMA70B["head_size"], block_size=B.LLAMA70B["block_size"], elem_bytes=elem)
+    inputs = make_byte_sets(num_seqs, seq_len, num_kv_heads=shape["num_kv_heads"], head_size=shape["head_size"],
+                            block_size=shape["block_size"], elem_bytes=elem, block_order=block_order)
     todo = [(p, P, c) for p in patterns for P in partition_sizes for c in configs]
     bar = None
     if progress:
@@ -206,7 +243,8 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     rows = []
     for pattern, P, (nb, warps, stages) in todo:
         row = dict(pattern=pattern, partition_size=P, blocks_per_iter=nb, num_warps=warps, num_stages=stages,
-                   block_order=block_order, **{k: v for k, v in shape.items() if k != "elem_bytes"})
+                   block_order=block_order, kv_cache_dtype=kv_cache_dtype,
+                   **{k: v for k, v in shape.items() if k != "elem_bytes"})
         try:
             readers = [Reader(pattern, t, partition_size=P, blocks_per_iter=nb, num_warps=warps, num_stages=stages,
                               **{k: v for k, v in shape.items() if k != "max_seq_len"}, seq_len=seq_len)
@@ -231,11 +269,11 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
             bar.update(1)
     if bar:
         bar.close()
-    del inputs, sets
+    del inputs
     torch.cuda.empty_cache()
     df = pd.DataFrame(rows)
     df["kind"] = "reader"
-    if kernel_rows:
+    if kernel_rows and kv_cache_dtype == "auto":
         kr, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
                       replays=30, sdpa=True, fused=False, cluster=False, shared=False, progress=False,
                       block_order=block_order)

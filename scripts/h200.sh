@@ -295,8 +295,12 @@ PYEOF
     readpattern)
       # the K/V bytes of 8 x 32k read by a plain Triton reader: contiguous, paged (one KV head
       # per program, the CPA grid) and paged whole blocks, beside the kernel and SDPA (cpa.readpattern)
-      CPA_COMMAND="python3 -m cpa read-patterns ${CPA_RP_ARGS:-}" timeout ${CPA_RP_TIMEOUT:-480} \
+      # then the same bytes of an fp8 cache (2 KB runs; readers only)
+      CPA_COMMAND="python3 -m cpa read-patterns ${CPA_RP_ARGS:-}" timeout ${CPA_RP_TIMEOUT:-360} \
         $PY -m cpa read-patterns --out "$OUT/h200-read-patterns.csv" ${CPA_RP_ARGS:-} 2>&1 | tail -40
+      CPA_COMMAND="python3 -m cpa read-patterns --kv-cache-dtype fp8 --no-kernel ${CPA_RP_ARGS:-}" \
+        timeout ${CPA_RP_FP8_TIMEOUT:-200} $PY -m cpa read-patterns --kv-cache-dtype fp8 --no-kernel \
+        --out "$OUT/h200-read-patterns-fp8.csv" ${CPA_RP_ARGS:-} 2>&1 | tail -30
       ;;
     *) echo "unknown step $step"; exit 2;;
   esac

@@ -59,18 +59,45 @@ def test_checksum_wraps_like_int32():
     assert RP.checksum(words) == -1
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("pattern", RP.PATTERNS)
-def test_reader_reads_every_word_once(pattern):
+def test_byte_sets_hold_the_layouts_the_plans_read():
     import torch
 
-    from cpa import bench as B
+    for elem in (2, 1):
+        sets = RP.make_byte_sets(2, 256, num_kv_heads=4, head_size=64, block_size=16, elem_bytes=elem,
+                                 device="cpu", pool_bytes=1 << 20)
+        run = 64 * 16 * elem
+        k, v, bt = sets["paged"][0]
+        assert k.shape == v.shape == (k.shape[0], 4, run) and k.dtype == torch.uint8
+        assert bt.shape == (2, 16) and bt.dtype == torch.int32
+        used = torch.cat([b.reshape(-1) for _, _, b in sets["paged"]])
+        assert len(sets["paged"]) > 1 and used.unique().numel() == used.numel()  # disjoint sets
+        ck, cv, _ = sets["contiguous"][0]
+        assert ck.shape == cv.shape == (2, 4, 256 * 64 * elem)
+        assert sets["paged_all_heads"] is sets["paged"]
+        # the checksum of a pattern is the wrapped sum of exactly the words it must read
+        want = RP._wrap(int(k[bt.reshape(-1).long()].view(torch.int32).to(torch.int64).sum())
+                        + int(v[bt.reshape(-1).long()].view(torch.int32).to(torch.int64).sum()))
+        assert RP.expected_total("paged", k, v, bt, block_size=16, seq_len=256) == want
+    seq = RP.make_byte_sets(2, 256, num_kv_heads=4, head_size=64, block_size=16, elem_bytes=2, device="cpu",
+                            pool_bytes=1 << 20, block_order="sequential")
+    assert seq["paged"][0][2].reshape(-1).tolist() == list(range(32))
 
-    S, ctx = 2, 2048
-    sets = B.make_sets(S, ctx, dtype=torch.float16, **B.LLAMA70B)
-    shape = dict(num_seqs=S, seq_len=ctx, num_kv_heads=8, head_size=128, block_size=16, elem_bytes=2)
-    bt = sets.block_tables[0]
-    t = B.contiguous_kv(sets, 0, ctx) + (bt,) if pattern == "contiguous" else (sets.key_cache, sets.value_cache, bt)
+
+def test_run_refuses_an_unknown_cache_dtype_before_any_gpu_work():
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
+        RP.run(kv_cache_dtype="int4", progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("pattern", RP.PATTERNS)
+def test_reader_reads_every_word_once(pattern, kv_cache_dtype):
+    import torch
+
+    S, ctx, elem = 2, 2048, RP.KV_BYTES[kv_cache_dtype]
+    shape = dict(num_seqs=S, seq_len=ctx, num_kv_heads=8, head_size=128, block_size=16, elem_bytes=elem)
+    sets = RP.make_byte_sets(**shape)
+    t = sets[pattern][0]
     want = RP.expected_total(pattern, *t, block_size=16, seq_len=ctx)
     for nb, warps, stages in ((1, 4, 1), (2, 8, 3)):
         r = RP.Reader(pattern, t, partition_size=1024, blocks_per_iter=nb, num_warps=warps, num_stages=stages, **shape)
@@ -79,8 +106,8 @@ def test_reader_reads_every_word_once(pattern):
         torch.cuda.synchronize()
         assert r.total() == want, (nb, warps, stages)
     if pattern != "contiguous":  # one block read twice, another never: the checksum says so
-        bad = bt.clone()
-        bad[1, 5] = bt[1, 4]
+        bad = t[2].clone()
+        bad[1, 5] = t[2][1, 4]
         r = RP.Reader(pattern, (t[0], t[1], bad), partition_size=1024, **shape)
         r()
         torch.cuda.synchronize()
