@@ -41,6 +41,27 @@ def check_block_order(block_order: str) -> None:
         raise ValueError(f"block_order={block_order!r}: expected one of {BLOCK_ORDERS}")
 
 
+def pool_size(num_seqs, blocks_per_seq, block_bytes, pool_bytes=None) -> tuple[int, int]:
+    """(physical blocks in the pool, input sets): the pool covers >= pool_bytes (POOL_BYTES,
+    far past the L2) and holds up to MAX_SETS disjoint sets of the shape's blocks."""
+    need = num_seqs * blocks_per_seq
+    pool = max(need, math.ceil((pool_bytes or POOL_BYTES) / block_bytes))
+    return pool, max(1, min(MAX_SETS, pool // need))
+
+
+def block_tables(pool, num_seqs, blocks_per_seq, n_sets, block_order, generator) -> list:
+    """Disjoint int32 block tables [num_seqs, blocks_per_seq], one per set, drawn from the pool
+    in shuffled or sequential order."""
+    import torch
+
+    need = num_seqs * blocks_per_seq
+    dev = generator.device
+    perm = torch.randperm(pool, device=dev, generator=generator) if block_order == "shuffled" else \
+        torch.arange(pool, device=dev)
+    return [perm[i * need:(i + 1) * need].view(num_seqs, blocks_per_seq).to(torch.int32).contiguous()
+            for i in range(n_sets)]
+
+
 def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0,
               block_order="shuffled") -> DeviceSets:
     """``block_order``: "shuffled" (each sequence's blocks drawn at random from the pool, as a
@@ -54,15 +75,10 @@ def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_si
     elem = torch.finfo(dtype).bits // 8
     x = 16 // elem
     bps = math.ceil(seq_len / block_size)
-    need = num_seqs * bps
-    block_bytes = 2 * num_kv_heads * head_size * block_size * elem
-    pool = max(need, math.ceil(POOL_BYTES / block_bytes))
-    n_sets = max(1, min(MAX_SETS, pool // need))
+    pool, n_sets = pool_size(num_seqs, bps, 2 * num_kv_heads * head_size * block_size * elem)
     kc = torch.randn(pool, num_kv_heads, head_size // x, block_size, x, device="cuda", dtype=dtype, generator=g)
     vc = torch.randn(pool, num_kv_heads, head_size, block_size, device="cuda", dtype=dtype, generator=g)
-    perm = torch.randperm(pool, device="cuda", generator=g) if block_order == "shuffled" else \
-        torch.arange(pool, device="cuda")
-    bts = [perm[i * need:(i + 1) * need].view(num_seqs, bps).to(torch.int32).contiguous() for i in range(n_sets)]
+    bts = block_tables(pool, num_seqs, bps, n_sets, block_order, g)
     qs = [torch.randn(num_seqs, num_heads, head_size, device="cuda", dtype=dtype, generator=g) for _ in range(n_sets)]
     seq_lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
     kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_size * elem
