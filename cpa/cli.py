@@ -215,6 +215,73 @@ def static(
     typer.echo(f"\n{len(vs)} variants ({V.platform_of_arch(arch)}), {len(df)} kernels -> {out}")
 
 
+@app.command("same-code")
+def same_code(
+    base: str = typer.Option(..., help="git revision whose kernel sources a measurement ran (e.g. a data row's "
+                                       "git_commit)."),
+    head: Optional[str] = typer.Option(None, help="git revision to compare with (default: the working tree)."),
+    grid: str = typer.Option("bench", help="'bench' (the `cpa bench` variants) or 'tests' (every variant the GPU "
+                                           "tests build)."),
+    arch: str = typer.Option("sm_90", help="sm_90 (PTX), gfx942 or gfx90a (assembly)."),
+    flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions for both builds."),
+    base_flags: Optional[str] = typer.Option(None, help="-D knob definitions for the BASE build only (the flags a "
+                                             "measured knob build ran with)."),
+    head_flags: Optional[str] = typer.Option(None, help="-D knob definitions for the HEAD build only."),
+    level: Optional[str] = typer.Option(None, help="sm_90: 'ptx' (default) or 'sass' (machine code; needs "
+                                        "cuobjdump); AMD: 'asm'."),
+    jobs: Optional[int] = typer.Option(None, help="parallel compiler processes (default: all cores)."),
+    out: Optional[str] = typer.Option(None, help="also write the per-kernel rows (with provenance) to this CSV."),
+    fail_on_change: bool = typer.Option(False, help="exit with status 1 if any kernel differs."),
+) -> None:
+    """Is the code of these variants compiled from BASE identical to HEAD's? (no GPU)
+
+    Where every kernel of a variant compiles to the same PTX (sm_90) or assembly (gfx942),
+    a measurement of that variant made at BASE stands for HEAD."""
+    from . import codediff as CD
+    from . import jobs as J
+    from . import variants as V
+    from .static import CompilerMissing
+
+    if grid not in ("bench", "tests"):
+        raise typer.BadParameter("'bench' or 'tests'", param_hint="--grid")
+    try:
+        fl = {k: tuple((x or "").split()) for k, x in (("flags", flags), ("base_flags", base_flags),
+                                                           ("head_flags", head_flags))}
+        for f in fl.values():
+            CD.check_options(arch, level, f)
+        platform = V.platform_of_arch(arch)
+        vs = J.test_variants(platform) if grid == "tests" else J.bench_variants(platform)
+        df = CD.compare(vs, base, head, arch=arch, level=level, jobs=jobs, **fl)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    except CompilerMissing as e:
+        typer.echo(f"same-code: {e}", err=True)
+        raise typer.Exit(2) from None
+    by = df.groupby("variant", sort=False)
+    table = by.agg(kernels=("kernel", "size"), identical=("identical", "sum")).reset_index()
+    table["first_difference"] = [
+        next((f"{k}: {d}" for k, d, same in zip(g.kernel, g.first_difference, g.identical) if not same), "")
+        for _, g in by]
+    with pd_options():
+        typer.echo(table.to_string(index=False, max_colwidth=90))
+    s = CD.summary(df)
+    typer.echo(f"\n{arch} {df.level.iloc[0]}, {df.base.iloc[0][:12]} -> {df['head'].iloc[0][:12]}: {s['identical']} of "
+               f"{s['variants']} variants compile to identical code in every kernel")
+    if out:
+        from .bench import write_csv_atomic
+
+        write_csv_atomic(df, out)
+        typer.echo(f"wrote {out}")
+    if fail_on_change and s["changed"]:
+        raise typer.Exit(1)
+
+
+def pd_options():
+    import pandas as pd
+
+    return pd.option_context("display.width", 220)
+
+
 @app.command()
 def sweep(
     grid: str = typer.Option(..., help="shipped grid name (llama70b-decode, gqa-scan, head-size-scan, "
