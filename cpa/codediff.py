@@ -92,12 +92,21 @@ _AMD_KD = re.compile(r"^\s*\.amdhsa_kernel\s+(\S+)")
 
 def ptx_kernels(ptx: str) -> dict[str, list[str]]:
     """PTX text -> {entry or function: [code lines]}, plus "module": the lines outside them
-    (the target, global and shared declarations); comments, .loc / .file records and blank
-    lines removed, whitespace collapsed."""
+    (the target, global and shared declarations); comments, .loc / .file records, the
+    -lineinfo debug sections (their strings carry per-compile hashes) and blank lines removed,
+    whitespace collapsed."""
     out: dict[str, list[str]] = {"module": []}
     cur, depth = out["module"], 0
+    debug = False  # inside a .section .debug_* block (-lineinfo: names, not code)
     for line in ptx.splitlines():
         s = line.split("//", 1)[0].strip()
+        if depth == 0 and s.startswith(".section") and ".debug" in s:
+            debug = True
+            continue
+        if debug:
+            if s == "}":
+                debug = False
+            continue
         if not s or s.startswith((".loc", ".file")):
             continue
         m = _PTX_FUNC.match(s) if depth == 0 else None
