@@ -191,29 +191,6 @@ def test_sm90_split_staged_loop(tmp_path):
         assert r["spill_stores"] + r["spill_loads"] == 0 and r["registers"] <= 255, (v.name, r)
 
 
-def test_sm90_hybrid_loop_keeps_register_loads_beside_the_slot(tmp_path):
-    """-DCPA_KV_ASYNC=5: even steps load K and V straight into registers (16-byte global loads
-    with the default cache hint), odd steps come through the cp.async slot (one commit group for
-    the first copy, one per refill), and the mma variants keep two workgroups per SM (<= 255
-    registers, no spills); the scalar tiling has no slot and keeps its direct loop."""
-    if not _have("nvcc"):
-        pytest.skip("nvcc not on PATH")
-    res, hybrid = _sm90_attention(tmp_path, _STAGED, ["-DCPA_KV_ASYNC=5"])
-    _, slot = _sm90_attention(tmp_path, _STAGED, ["-DCPA_KV_ASYNC=2"])
-    for v in _STAGED:
-        if v.tiling == "scalar":
-            assert "cp.async" not in hybrid[v.name]
-            continue
-        body = hybrid[v.name]  # (opcodes, one per line)
-        assert body.count("cp.async.commit_group") == 2 and "cp.async.wait_group" in body, v.name
-        assert "ld.shared.v4" in body or "ld.shared.v2" in body
-        # the register steps' K / V loads (.L1::no_allocate: CPA_KV_LOAD_HINT), absent from the slot loop
-        assert "ld.global.nc.L1::no_allocate.v" in body, v.name
-        assert "L1::no_allocate" not in slot[v.name], v.name
-        r = res[v.name]
-        assert r["spill_stores"] + r["spill_loads"] == 0 and r["registers"] <= 255, (v.name, r)
-
-
 def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     """-DCPA_KV_ASYNC=3: the mma tilings fill their rings with TMA bulk copies that complete on
     mbarriers (no per-16-byte cp.async), read them with ld.shared, and the main variant keeps
