@@ -136,9 +136,7 @@ show = ("gpu__time_duration.sum", "dram__bytes_read.sum", "lts__t_sectors_srcuni
         "sm__warps_active.avg.pct_of_peak_sustained_active", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
         "lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
         "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
-        "smsp__average_warps_active_per_inst_executed.ratio",
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")
+        "smsp__average_warps_active_per_inst_executed.ratio")
 for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
     lines = [ln for ln in open(f) if not ln.startswith("==")]
     try:
