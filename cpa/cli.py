@@ -182,8 +182,6 @@ def static(
                                         "(e.g. '-DCPA_MIN_BLOCKS=1'; column `build_flags`)."),
 ) -> None:
     """Compile every valid variant for an arch (no GPU) and record resources and instruction mix."""
-    import os
-
     from . import static as S
     from . import variants as V
 
@@ -202,10 +200,9 @@ def static(
         df = S.compile_variants(vs, arch, jobs=jobs, flags=tuple((flags or "").split()))
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--flags") from None
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    tmp = out + ".tmp"
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, out)
+    from .bench import write_csv_atomic
+
+    write_csv_atomic(df, out)
     att = df[df.kernel == "attention"]
     cols = [c for c in ("tiling", "partition_size", "head_size", "dtype", "kv_cache_dtype", "heads_cap", "vgprs",
                         "agprs", "registers", "lds_bytes", "shared_bytes", "spills", "waves_per_simd_compiler")
@@ -237,6 +234,8 @@ def same_code(
 
     Where every kernel of a variant compiles to the same PTX (sm_90) or assembly (gfx942),
     a measurement of that variant made at BASE stands for HEAD."""
+    import pandas as pd
+
     from . import codediff as CD
     from . import jobs as J
     from . import variants as V
@@ -247,8 +246,6 @@ def same_code(
     try:
         fl = {k: tuple((x or "").split()) for k, x in (("flags", flags), ("base_flags", base_flags),
                                                            ("head_flags", head_flags))}
-        for f in fl.values():
-            CD.check_options(arch, level, f)
         platform = V.platform_of_arch(arch)
         vs = J.test_variants(platform) if grid == "tests" else J.bench_variants(platform)
         df = CD.compare(vs, base, head, arch=arch, level=level, jobs=jobs, **fl)
@@ -262,7 +259,7 @@ def same_code(
     table["first_difference"] = [
         next((f"{k}: {d}" for k, d, same in zip(g.kernel, g.first_difference, g.identical) if not same), "")
         for _, g in by]
-    with pd_options():
+    with pd.option_context("display.width", 220):
         typer.echo(table.to_string(index=False, max_colwidth=90))
     s = CD.summary(df)
     typer.echo(f"\n{arch} {df.level.iloc[0]}, {df.base.iloc[0][:12]} -> {df['head'].iloc[0][:12]}: {s['identical']} of "
@@ -274,12 +271,6 @@ def same_code(
         typer.echo(f"wrote {out}")
     if fail_on_change and s["changed"]:
         raise typer.Exit(1)
-
-
-def pd_options():
-    import pandas as pd
-
-    return pd.option_context("display.width", 220)
 
 
 @app.command()

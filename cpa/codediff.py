@@ -23,7 +23,6 @@ encoding, scheduling control bits included).
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import io
 import re
 import shutil
@@ -34,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import variants as V
-from .jit import CSRC
-from .static import CompilerMissing, check_arch, find_clang, find_nvcc
+from .jit import CSRC, sources_digest
+from .static import CompilerMissing, check_arch, check_knob_flags, find_clang, find_nvcc
 
 ROOT = CSRC.parent.parent
 # torch.utils.cpp_extension's COMMON_NVCC_FLAGS (what every JIT build gets), spelled out so
@@ -73,12 +72,9 @@ def source_tree(rev: str | None, dest: Path) -> tuple[Path, str]:
                     files[m.name.rsplit("/", 1)[1]] = tar.extractfile(m).read()
         if not files:
             raise ValueError(f"{rev} has no kernel headers in cpa/csrc")
-    h = hashlib.sha256()
-    for name in sorted(files):
-        (dest / name).write_bytes(files[name])
-        h.update(name.encode())
-        h.update(files[name])
-    return dest, h.hexdigest()
+    for name, data in files.items():
+        (dest / name).write_bytes(data)
+    return dest, sources_digest(dest)
 
 
 # ---------------------------------------------------------------- normalized code
@@ -238,13 +234,9 @@ def compile_code(variant: V.Variant, arch: str, inc: Path, flags=(), level: str 
                 code = ptx_kernels((work / "v.ptx").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    roles: dict[str, list[str]] = {}
-    for sym, lines in code.items():
-        role = kernel_role(sym)
-        if role in roles:  # (the descriptor of an AMD kernel follows its code)
-            roles[role] = roles[role] + lines
-        else:
-            roles[role] = lines
+    roles = {kernel_role(sym): lines for sym, lines in code.items()}
+    if len(roles) != len(code):  # (one kernel per role in a variant's library)
+        raise RuntimeError(f"{variant.name}: two kernels with one role among {sorted(code)}")
     return roles
 
 
@@ -267,18 +259,17 @@ def compiler_version(arch: str) -> str:
     return out[0] if arch.startswith("gfx") else out[-1]
 
 
-def check_options(arch: str, level: str | None, flags) -> tuple[str, tuple]:
+def check_options(arch: str, level: str | None, *flag_sets) -> tuple[str, list[tuple]]:
+    """(the level, each flag set as a tuple), refused before any compile: an unknown arch or
+    level, a flag that is not a -D knob, or no cuobjdump for level 'sass'."""
     check_arch(arch)
     level = level or LEVELS[arch][0]
     if level not in LEVELS[arch]:
         raise ValueError(f"level={level!r}: {arch} compares at {' or '.join(LEVELS[arch])}")
-    flags = tuple(flags)
-    bad = [f for f in flags if not f.startswith("-D")]
-    if bad:
-        raise ValueError(f"flags {bad}: only -DNAME[=VALUE] knob definitions")
+    flag_sets = [check_knob_flags(f) for f in flag_sets]
     if level == "sass":
         find_cuobjdump()  # (missing: say so once, before any compile)
-    return level, flags
+    return level, flag_sets
 
 
 def compare_trees(variants, base_inc: Path, head_inc: Path, *, arch: str = "sm_90", flags=(),
@@ -294,9 +285,8 @@ def compare_trees(variants, base_inc: Path, head_inc: Path, *, arch: str = "sm_9
 
     import pandas as pd
 
-    level, flags = check_options(arch, level, flags)
-    side_flags = {"base": flags + check_options(arch, level, base_flags)[1],
-                  "head": flags + check_options(arch, level, head_flags)[1]}
+    level, (flags, base_flags, head_flags) = check_options(arch, level, flags, base_flags, head_flags)
+    side_flags = {"base": flags + base_flags, "head": flags + head_flags}
     platform = V.platform_of_arch(arch)
     variants = [v for v in dict.fromkeys(variants) if v.platform == platform]
     if not variants:
@@ -352,8 +342,7 @@ def compare(variants, base: str, head: str | None = None, *, arch: str = "sm_90"
     """compare_trees for two git revisions of cpa/csrc (`head` None: the working tree), with
     the revisions and the digests of their kernel headers as columns base, head,
     base_digest, head_digest."""
-    for f in (flags, base_flags, head_flags):
-        check_options(arch, level, f)
+    check_options(arch, level, flags, base_flags, head_flags)  # before any git work
     revs = {"base": resolve(base), "head": resolve(head) if head else None}
     tmp = Path(tempfile.mkdtemp(prefix="cpa-codediff-src-"))
     try:

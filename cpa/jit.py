@@ -66,9 +66,10 @@ def _compiler_id(platform: str) -> str:
     return out.strip().splitlines()[-1] if out.strip() else exe
 
 
-def sources_digest() -> str:
+def sources_digest(csrc: Path = CSRC) -> str:
+    """sha256 over the kernel headers (*.h) of `csrc`, names and bytes, in name order."""
     h = hashlib.sha256()
-    for p in sorted(CSRC.glob("*.h")):
+    for p in sorted(Path(csrc).glob("*.h")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()

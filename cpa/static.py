@@ -11,7 +11,6 @@ heads cap) on all cores.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import variants as V
-from .jit import CSRC
+from .jit import CSRC, sources_digest
 
 AMD_ARCHS = ("gfx942", "gfx90a")
 NV_ARCHS = ("sm_90",)
@@ -215,14 +214,10 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def snapshot_sources(dest: Path) -> str:
     """Copy the kernel headers to `dest` (one consistent version for a whole table, even while
-    cpa/csrc is being edited) and return their digest (the same as cpa.jit.sources_digest)."""
-    h = hashlib.sha256()
+    cpa/csrc is being edited) and return their digest (cpa.jit.sources_digest of the copy)."""
     for p in sorted(CSRC.glob("*.h")):
-        data = p.read_bytes()
-        (dest / p.name).write_bytes(data)
-        h.update(p.name.encode())
-        h.update(data)
-    return h.hexdigest()
+        (dest / p.name).write_bytes(p.read_bytes())
+    return sources_digest(dest)
 
 
 def _compile_amd(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[dict, dict]:
@@ -297,10 +292,7 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
     import pandas as pd
 
     check_arch(arch)
-    flags = tuple(flags)
-    bad = [f for f in flags if not f.startswith("-D")]
-    if bad:
-        raise ValueError(f"flags {bad}: only -DNAME[=VALUE] knob definitions (the tables compare builds of one source)")
+    flags = check_knob_flags(flags)
     platform = V.platform_of_arch(arch)
     variants = [v for v in variants if v.platform == platform]
     groups: dict = defaultdict(list)
@@ -341,6 +333,16 @@ def check_arch(arch: str) -> None:
     such as gfx924 would otherwise start hundreds of failing compiler runs)."""
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}: cpa static compiles for {', '.join(ARCHS)}")
+
+
+def check_knob_flags(flags) -> tuple:
+    """The extra compiler flags of a knob's build, as a tuple: -DNAME[=VALUE] definitions only
+    (compiled tables and code comparisons are of builds of one source, not of other options)."""
+    flags = tuple(flags)
+    bad = [f for f in flags if not f.startswith("-D")]
+    if bad:
+        raise ValueError(f"flags {bad}: only -DNAME[=VALUE] knob definitions (the tables compare builds of one source)")
+    return flags
 
 
 def variants_for_arch(arch: str, **filters):
