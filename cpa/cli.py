@@ -163,11 +163,15 @@ def bench(
 def prebuild(
     grid: str = typer.Option("tests", help="'tests' (every variant the GPU tests use) or 'bench'."),
     jobs: Optional[int] = typer.Option(None, help="parallel compiler processes (default: all cores)."),
+    tilings: Optional[str] = typer.Option(None, help="comma-separated tilings: only these (default: all)."),
+    partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes: only these "
+                                                  "(default: all)."),
 ) -> None:
     """Compile variants for the visible GPU in parallel into the disk cache."""
     from . import jobs as J
 
-    J.prebuild_main(grid, jobs)
+    J.prebuild_main(grid, jobs, tilings=_strs(tilings) if tilings else None,
+                    partition_sizes=_ints(partition_sizes) if partition_sizes else None)
 
 
 @app.command()

@@ -42,11 +42,24 @@ def bench_variants(platform: str) -> list[V.Variant]:
     return vs
 
 
-def prebuild_main(grid: str, jobs: int | None) -> list[dict]:
+def select_variants(vs: list, tilings: list[str] | None, partition_sizes: list[int] | None) -> list:
+    """The variants of `vs` with one of these tilings and partition sizes (None: any); a name that
+    is not a tiling or a size the library has is refused, so a typo cannot select nothing."""
+    for name, got, known in (("tiling", tilings, V.TILINGS), ("partition size", partition_sizes, V.PARTITION_SIZES)):
+        bad = [x for x in (got or []) if x not in known]
+        if bad:
+            raise ValueError(f"unknown {name} {bad}; known: {list(known)}")
+    return [v for v in vs if (tilings is None or v.tiling in tilings)
+            and (partition_sizes is None or v.partition_size in partition_sizes)]
+
+
+def prebuild_main(grid: str, jobs: int | None, tilings: list[str] | None = None,
+                  partition_sizes: list[int] | None = None) -> list[dict]:
     from .jit import device_arch, prebuild
 
     platform, arch = device_arch()
     vs = test_variants(platform) if grid == "tests" else bench_variants(platform)
+    vs = select_variants(vs, tilings, partition_sizes)
     t0 = time.time()
     rows = prebuild(vs, arch, jobs=jobs)
     wall = time.time() - t0

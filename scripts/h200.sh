@@ -211,9 +211,10 @@ PYEOF
     ab-arms)
       # several builds of the kernel back to back in one process tree, each arm's bench variants
       # prebuilt first (an empty arm is the default build), CPA_AB_ARGS the bench options;
-      # $OUT/arm-<i>.csv per arm, in arm order
+      # $OUT/arm-<i>.csv per arm, in arm order; CPA_ARM_PREBUILD_ARGS narrows the prebuild
+      # (e.g. "--tilings mfma16 --partition-sizes 1024,2048" to match CPA_AB_ARGS)
       arm_bench() {
-        CPA_NVCC_FLAGS="$1" $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"
+        CPA_NVCC_FLAGS="$1" $PY -m cpa prebuild --grid bench ${CPA_ARM_PREBUILD_ARGS:-} 2>&1 | grep "prebuild:"
         CPA_NVCC_FLAGS="$1" CPA_COMMAND="CPA_NVCC_FLAGS='$1' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
           timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$2.csv" 2>&1 \
           | grep -A14 "best_us" | head -14

@@ -120,3 +120,16 @@ def test_shared_steps_need_two_steps_per_wave():
             assert V.shared_steps_unsupported(v(platform, need, tiling)) is None
             assert f"{need} tokens per partition" in V.shared_steps_unsupported(v(platform, need // 2, tiling))
     assert "KV_ASYNC" in V.shared_steps_unsupported(v("cuda", 1024), kv_async=True)
+
+
+def test_prebuild_selection_keeps_exactly_the_named_variants():
+    from cpa import jobs as J
+
+    vs = J.bench_variants("cuda")
+    sel = J.select_variants(vs, ["mfma16"], [1024, 2048])
+    assert {(v.tiling, v.partition_size) for v in sel} == {("mfma16", 1024), ("mfma16", 2048)}
+    assert J.select_variants(vs, None, None) == vs
+    with pytest.raises(ValueError, match="unknown tiling"):
+        J.select_variants(vs, ["mfma17"], None)
+    with pytest.raises(ValueError, match="unknown partition size"):
+        J.select_variants(vs, None, [300])

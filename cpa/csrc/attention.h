@@ -273,6 +273,7 @@ struct KVSteps {
       c = cache;
     }
   }
+  CPA_DEVICE static void adapt_q(typename Tl::Q&) {}
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
     if constexpr (kTabled) c.advance(tok0);
     Tl::template load_kv<Cfg::v_after_qk ? kLoadK : kLoadKV>(kv, c, tok0, partial);
@@ -313,6 +314,9 @@ struct KVSteps<Cfg, true> {
     }
     wave_sync();
     for (int j = 0; j < Ring::RING && j < nblk; ++j) ring.issue(c, j, shfl_idx_i32(entry, j));
+  }
+  CPA_DEVICE static void adapt_q(typename Tl::Q& q) {
+    if constexpr (Ring::kLdmatrix) Tl::ldmatrix_q(q);
   }
   // K for QK, then V (a shared-memory read: no latency worth hiding, and K and V are never
   // live together), then the freed slots take the blocks RING ahead.
@@ -356,6 +360,7 @@ struct KVSteps<Cfg, true> {
   int64_t next_boff[St::NBLK] = {};  // (split) its cache offsets
   struct Table {};
   CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
+  CPA_DEVICE static void adapt_q(typename Tl::Q&) {}
   CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&)
       : c(c), st{reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * St::BYTES, first, c.seq_len},
         end(end) {
@@ -782,6 +787,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
   typename Pick<kShared, SharedSteps<Cfg>, FixedSteps<Cfg>>::type steps(smem, cache, first, end, table, p, seq, kvh,
                                                                         part, steal_raw);
+  if constexpr (!kShared) steps.adapt_q(q);  // (the query layout the step source reads K in)
   // (the fixed loop is spelled out: through the methods, clang's loop passes see another
   // shape and gfx942 allocates differently)
 #if CPA_LOAD_ONLY

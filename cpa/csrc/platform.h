@@ -389,6 +389,12 @@ CPA_DEVICE void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, 
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
+// Four 8x8 b16 matrices from shared memory: lanes 8 i .. 8 i + 7 give the 16-byte rows of
+// matrix i, and lane 4 g + t receives element pair t of row g of each matrix, in r[i].
+CPA_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
 // Orders this thread's earlier shared-memory accesses before later bulk copies (async proxy).
 CPA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #endif
