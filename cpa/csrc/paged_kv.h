@@ -15,6 +15,8 @@
 // 4: the slot of 2, with K and V as separate cp.async groups, each refilled with the next
 // step's as soon as it is read into registers (K before QK, V after it): about one step per
 // wave always in flight, K and V never live together (attention.h, KVSteps).
+// 5: hybrid: a wave's even steps load straight into registers, its odd steps come through the
+// slot of 2, so a second step per wave is in flight beside the register step (KVSteps).
 // 0: each step loads K and V straight into registers. An A/B knob: CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=1.
 #ifndef CPA_KV_ASYNC
 #define CPA_KV_ASYNC 0
@@ -23,16 +25,6 @@
 // workgroups per SM on Hopper (227 KB).
 #ifndef CPA_RING_BYTES_PER_WAVE
 #define CPA_RING_BYTES_PER_WAVE 28160
-#endif
-// With -DCPA_KV_ASYNC=3, 1: whole-block copies -- each block's K and its V come with one bulk
-// copy each (4 KB at head 128, block 16) into slots in the cache's own layout, unpadded, so the
-// L2 is asked for each sector once (the 256-byte row copies of 0 asked 1.23x, ncu 6760522);
-// with a 16-bit cache the mma tilings read K by ldmatrix (each 8x8 matrix is 8 tokens' 16-byte
-// chunks of one head-dim row: 128 contiguous bytes, no bank conflict) and their query is
-// quad-transposed once to match. A step's second block is shifted by 64 bytes (V reads free of
-// conflicts); 2: not shifted (every slot 128-byte aligned; V reads 2-way conflicted).
-#ifndef CPA_RING_WHOLE
-#define CPA_RING_WHOLE 0
 #endif
 #if CPA_KV_ASYNC && !CPA_CUDA
 #undef CPA_KV_ASYNC
@@ -48,7 +40,6 @@ struct PagedKV {
   static_assert(HEAD % X == 0, "head size must be a multiple of the key chunk");
 
   static constexpr bool kShared = false;  // loads go to global memory
-  static constexpr bool kLdmatrix = false;
 
   const uint8_t* k;          // key_cache  + kv_head offset
   const uint8_t* v;          // value_cache + kv_head offset
@@ -98,7 +89,6 @@ template <int HEAD, int BLOCK, bool FP8, int TOKENS, bool SWIZZLE = (CPA_KV_ASYN
 struct StagedKV {
   using Cache = PagedKV<HEAD, BLOCK, FP8>;
   static constexpr bool kShared = true;
-  static constexpr bool kLdmatrix = false;
   static constexpr int ELEM = Cache::ELEM, X = Cache::X;
   static constexpr int NBLK = TOKENS / BLOCK;
   static constexpr int SLAB = HEAD * BLOCK * ELEM;  // one block of K (or of V) of one KV head
@@ -160,17 +150,14 @@ template <int HEAD, int BLOCK, bool FP8, int TOKENS>
 struct RingKV {
   using Cache = PagedKV<HEAD, BLOCK, FP8>;
   static constexpr bool kShared = true;
-  static constexpr bool kWhole = CPA_RING_WHOLE > 0;  // one bulk copy per K block and per V block
-  static constexpr bool kLdmatrix = kWhole && !FP8;   // K read by ldmatrix (mma tilings)
   static constexpr int ELEM = Cache::ELEM, X = Cache::X;
   static constexpr int NBLK = TOKENS / BLOCK;  // blocks per step
   static constexpr int KROWS = HEAD / X;       // 16-byte-chunk rows of one key block
   static constexpr int KROW = BLOCK * 16;      // bytes of such a row, contiguous in the cache
-  static constexpr int KPITCH = kWhole ? KROW : KROW + 32;
-  static constexpr int SHIFT = CPA_RING_WHOLE == 2 ? 0 : 64;  // a step's block b sits b * SHIFT on
+  static constexpr int KPITCH = KROW + 32;
   static constexpr int VBYTES = HEAD * BLOCK * ELEM;  // one value block, contiguous
   static constexpr int V_AT = KROWS * KPITCH;
-  static constexpr int SLOT = (SHIFT * (NBLK - 1) + V_AT + VBYTES + 127) / 128 * 128;
+  static constexpr int SLOT = (64 * (NBLK - 1) + V_AT + VBYTES + 127) / 128 * 128;
   static constexpr int FIT = CPA_RING_BYTES_PER_WAVE / SLOT;
   static constexpr int RING = FIT > NBLK + 1 ? (FIT < 8 ? FIT : 8) : NBLK + 1;
   static constexpr int BYTES = RING * SLOT + (RING * 8 + 127) / 128 * 128;  // slots, then mbarriers
@@ -181,7 +168,7 @@ struct RingKV {
   int tok0, j0;    // the step being read: first token, first wave block
   int seq_len;
 
-  CPA_DEVICE static int slot_offset(int j) { return (j % RING) * SLOT + SHIFT * (j % NBLK); }
+  CPA_DEVICE static int slot_offset(int j) { return (j % RING) * SLOT + 64 * (j % NBLK); }
   CPA_DEVICE int64_t block_offset(int token) const { return slot_offset(j0 + (token - tok0) / BLOCK); }
   CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
     return base + boff + (d / X) * KPITCH + (token % BLOCK) * 16 + (d % X) * ELEM;
@@ -196,14 +183,6 @@ struct RingKV {
     uint64_t* bar = bars + j % RING;
     const int64_t off = (int64_t)pblock * c.block_stride;
     const int l = lane_id();
-    if constexpr (kWhole) {
-      if (l == 0) {
-        mbar_arrive_expect_tx(bar, KROWS * KROW + VBYTES);
-        bulk_copy_to_shared(dst, c.k + off, KROWS * KROW, bar);
-        bulk_copy_to_shared(dst + V_AT, c.v + off, VBYTES, bar);
-      }
-      return;
-    }
     if (l == 0) mbar_arrive_expect_tx(bar, KROWS * KROW + VBYTES);
     for (int r = l; r <= KROWS; r += kWave) {
       if (r < KROWS) bulk_copy_to_shared(dst + r * KPITCH, c.k + off + r * KROW, KROW, bar);

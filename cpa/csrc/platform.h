@@ -357,9 +357,23 @@ CPA_DEVICE u32x4 ld_cluster16(const float* p, int rank) {
 #endif
 }
 #if CPA_CUDA
+// How the staged loops' 16-byte copies go (an A/B knob, -DCPA_CP_ASYNC_MODE=N): 0 `.cg` (L2
+// only; the slot loop asked the L2 for each sector twice, ncu 6760522), 1 `.ca` (through L1,
+// which coalesces a warp's copies into line requests), 2 `.cg` + `.L2::128B`, 3 `.ca` + `.L2::128B`.
+#ifndef CPA_CP_ASYNC_MODE
+#define CPA_CP_ASYNC_MODE 0
+#endif
 CPA_DEVICE void cp_async16(void* smem, const void* g) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+#if CPA_CP_ASYNC_MODE == 1
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+#elif CPA_CP_ASYNC_MODE == 2
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+#elif CPA_CP_ASYNC_MODE == 3
+  asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+#endif
 }
 CPA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 CPA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
@@ -388,12 +402,6 @@ CPA_DEVICE void mbar_wait(uint64_t* bar, int parity) {
 CPA_DEVICE void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-// Four 8x8 b16 matrices from shared memory: lanes 8 i .. 8 i + 7 give the 16-byte rows of
-// matrix i, and lane 4 g + t receives element pair t of row g of each matrix, in r[i].
-CPA_DEVICE void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
 // Orders this thread's earlier shared-memory accesses before later bulk copies (async proxy).
 CPA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }

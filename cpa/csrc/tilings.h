@@ -100,16 +100,6 @@ struct MmaTiles {
     }
   }
 
-  // The query for K read by ldmatrix: lane t's register c holds dims (4p + c) X + 2t + {0, 1}
-  // instead of (4p + t) X + 2c + {0, 1} (a 4x4 transpose across each quad).
-  CPA_DEVICE static void ldmatrix_q(Q& q) {
-    static_assert(KR == 4, "16-bit query and cache");
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int p = 0; p < KG; ++p) quad_transpose4(q.r[nt][p]);
-  }
-
   CPA_DEVICE static int s_token(int e) {  // e = (tile * NT + nt) * 4 + c
     const int g = g_(), tile = e / (4 * NT), c = e & 3;
     if constexpr (CPA_K_WHOLE_LINES) return 16 * tile + g + 8 * (c >> 1);
@@ -142,22 +132,7 @@ struct MmaTiles {
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     constexpr bool S = Src::kShared;
     const int g = g_(), t = t_();
-    if constexpr ((PARTS & kLoadK) && Src::kLdmatrix) {
-      // ldmatrix: matrix u of load (i, rr, p) is tokens 16 i + 8 rr + [0, 8) x head dims
-      // (4p + u) X + [0, X); lane t gets dims (4p + u) X + 2t + {0, 1} in register u, the
-      // query's quad transpose (ldmatrix_q) has the same
-      static_assert(BLOCK % 16 == 0 && !FP8, "ldmatrix reads 16-bit tiles of one block");
-      const int row = lane_id() & 7, u = lane_id() >> 3;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int64_t kb = c.block_offset(tok0 + 16 * i);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-          for (int p = 0; p < KG; ++p)
-            ldmatrix_x4(kv.k[i][rr][p], c.k_ptr(kb, tok0 + 16 * i + 8 * rr + row, (4 * p + u) * X));
-      }
-    } else if constexpr (PARTS & kLoadK) {
+    if constexpr (PARTS & kLoadK) {
       if constexpr (CPA_K_WHOLE_LINES) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
