@@ -343,40 +343,22 @@ struct KVSteps<Cfg, true> {
 // with the next step's as soon as it is read into registers -- K before QK, V after it -- so
 // about one step per wave is always in flight, no register holds a load in flight, and K and
 // V are never live together. Outstanding groups at a step's start: [K(n), V(n)].
-// Hybrid (arm 5): a wave's steps alternate -- even steps load straight into registers, odd
-// steps come through the slot -- so a second step is in flight beside the register step: the
-// slot's copy of step n + 1 streams while step n is awaited and computed, and the copy of
-// n + 3 is issued as soon as step n + 1 has been read out of the slot. Registers as the direct
-// loop (one step), 16 KB of shared memory per wave at head 128; about twice the direct loop's
-// bytes in flight per warp (the read-pattern measurement: 64 KB in flight per workgroup reads
-// at the kernel's rate, 128 KB about 4% faster).
 template <class Cfg>
 struct KVSteps<Cfg, true> {
   using Tl = typename Cfg::Tiles;
   using St = typename Tl::Staged;
   using Cache = typename St::Cache;
   static constexpr bool kSplit = CPA_KV_ASYNC == 4;
-  static constexpr bool kHybrid = CPA_KV_ASYNC == 5;
-  static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
   const Cache& c;
   St st;
   int end;
   bool more = false;                 // (split) a next step exists: its K was issued in load()
   int64_t next_boff[St::NBLK] = {};  // (split) its cache offsets
-  bool odd = false;                  // (hybrid) this step comes through the slot
   struct Table {};
   CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
   CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&)
       : c(c), st{reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT) + wave_id() * St::BYTES, first, c.seq_len},
         end(end) {
-    if constexpr (kHybrid) {  // the slot takes the wave's second step
-      if (first + STRIDE < end) {
-        int64_t boff[St::NBLK];
-        St::offsets(boff, c, first + STRIDE);
-        st.issue(c, boff);
-      }
-      return;
-    }
     if (first < end) {
       int64_t boff[St::NBLK];
       St::offsets(boff, c, first);
@@ -389,26 +371,6 @@ struct KVSteps<Cfg, true> {
     }
   }
   CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int next) {
-    if constexpr (kHybrid) {
-      if (!odd) {
-        Tl::load_kv(kv, c, tok0, partial);  // straight into registers; the slot's copy streams on
-      } else {
-        const int after = next + STRIDE;  // the wave's next odd step
-        const bool more = after < end;
-        int64_t boff[St::NBLK];
-        if (more) St::offsets(boff, c, after);  // block-table reads first: they overlap the wait
-        cp_async_wait_all();
-        wave_sync();  // every lane's copies of this step are visible
-        st.tok0 = tok0;
-        Tl::load_kv(kv, st, tok0, partial);
-        if (more) {
-          wave_sync();  // every lane has read the slot
-          st.issue(c, boff);
-        }
-      }
-      odd = !odd;
-      return;
-    }
     if constexpr (kSplit) {
       more = next < end;
       if (more) St::offsets(next_boff, c, next);  // block-table reads first: they overlap the wait

@@ -15,8 +15,6 @@
 // 4: the slot of 2, with K and V as separate cp.async groups, each refilled with the next
 // step's as soon as it is read into registers (K before QK, V after it): about one step per
 // wave always in flight, K and V never live together (attention.h, KVSteps).
-// 5: hybrid: a wave's even steps load straight into registers, its odd steps come through the
-// slot of 2, so a second step per wave is in flight beside the register step (KVSteps).
 // 0: each step loads K and V straight into registers. An A/B knob: CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=1.
 #ifndef CPA_KV_ASYNC
 #define CPA_KV_ASYNC 0

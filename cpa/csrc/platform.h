@@ -357,11 +357,14 @@ CPA_DEVICE u32x4 ld_cluster16(const float* p, int rank) {
 #endif
 }
 #if CPA_CUDA
-// How the staged loops' 16-byte copies go (an A/B knob, -DCPA_CP_ASYNC_MODE=N): 0 `.cg` (L2
-// only; the slot loop asked the L2 for each sector twice, ncu 6760522), 1 `.ca` (through L1,
-// which coalesces a warp's copies into line requests), 2 `.cg` + `.L2::128B`, 3 `.ca` + `.L2::128B`.
+// How the staged loops' 16-byte copies go: 1 (default) `.ca` (LDGSTS through L1, which merges
+// a warp's copies into whole-line L2 requests); 0 `.cg` (LDGSTS.BYPASS: the L2 is asked for every
+// 32-byte sector twice -- 2.00x the K/V sectors, 50% of them hits, tag lookups 42% -> 74% of
+// peak); 2 `.cg` + `.L2::128B` (still 2.00x); 3 `.ca` + `.L2::128B`. H200, ncu of the slot loop
+// (-DCPA_KV_ASYNC=2) at 8 x 32k, P 2048 (bd1e4a3): 287.1 us with 0, 249.2 with 1, 247.1 with 3,
+// against 250.5-250.9 for the direct loop (notes/kernel-notes.md). An A/B knob of the knob loops.
 #ifndef CPA_CP_ASYNC_MODE
-#define CPA_CP_ASYNC_MODE 0
+#define CPA_CP_ASYNC_MODE 1
 #endif
 CPA_DEVICE void cp_async16(void* smem, const void* g) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
