@@ -80,6 +80,12 @@ def extra_flags() -> list[str]:
     return os.environ.get("CPA_NVCC_FLAGS", "").split()
 
 
+def staged_loops_flagged() -> bool:
+    """Whether CPA_NVCC_FLAGS builds a staged / ring main loop (-DCPA_KV_ASYNC=N, N != 0), which
+    keeps fixed partitions (no shared steps)."""
+    return any(f.startswith("-DCPA_KV_ASYNC=") and f != "-DCPA_KV_ASYNC=0" for f in extra_flags())
+
+
 def cache_key(variant: Variant, arch: str) -> str:
     import torch
 

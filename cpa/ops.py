@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import variants as V
-from .jit import BuiltKernel, build, device_arch, extra_flags
+from .jit import BuiltKernel, build, device_arch, extra_flags, staged_loops_flagged
 from .validation import PagedAttentionShape, validate_paged_attention_args
 
 LOG2E = 1.4426950408889634
@@ -100,8 +100,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
     if shared_steps:
-        why = V.shared_steps_unsupported(variant, kv_async=any(f.startswith("-DCPA_KV_ASYNC=") and
-                                                                 not f.endswith("=0") for f in extra_flags()))
+        why = V.shared_steps_unsupported(variant, kv_async=staged_loops_flagged())
         why = why or ("return_intermediates=True compares partials of fixed token ranges, which shared steps do "
                       "not keep" if return_intermediates else None)
         why = why or ("fused_reduce=True is not combined with shared steps" if fused_reduce else None)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cpa import variants as V
+from cpa.jit import staged_loops_flagged
 
 pytestmark = pytest.mark.gpu
 
@@ -442,8 +443,8 @@ def _shared_launch(c, lens, seed):
 
     platform, _ = device_arch()
     v = _variant_or_skip(c, platform)
-    why = V.shared_steps_unsupported(v)
-    if why:
+    why = V.shared_steps_unsupported(v, kv_async=staged_loops_flagged())
+    if why:  # (a staged-loop knob build keeps fixed partitions: test_shared_steps_refusals checks it refuses)
         pytest.skip(why)
     num_kv_heads = 2
     inp = make_paged_inputs(len(lens), c["gqa"] * num_kv_heads, num_kv_heads, c["head_size"], c["block_size"], lens,
@@ -505,6 +506,10 @@ def test_shared_steps_refusals():
     inp = make_paged_inputs(2, 16, 2, 128, 16, [3000, 300], dtype=torch.float16, device="cuda", seed=9)
     with pytest.raises(ValueError, match="tokens per partition"):
         ops.prepare(**inp.as_kwargs(), partition_size=128, tiling="mfma16", shared_steps=True)
+    if staged_loops_flagged():  # CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=N: the staged loops keep fixed partitions
+        with pytest.raises(ValueError, match="KV_ASYNC"):
+            ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True)
+        return
     with pytest.raises(ValueError, match="return_intermediates"):
         ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True, return_intermediates=True)
     with pytest.raises(ValueError, match="fused_reduce"):

@@ -397,3 +397,13 @@ def test_value_checks_are_vectorized():
     dt = time.perf_counter() - t
     assert s.max_seq_len == int(sl.max())
     assert dt < 1.0, f"validation took {dt:.3f} s"
+
+
+def test_staged_loops_flag_detection(monkeypatch):
+    """CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=N (N != 0) is a staged-loop build; =0 and other knobs are not."""
+    from cpa.jit import staged_loops_flagged
+
+    for flags, staged in (("", False), ("-DCPA_KV_ASYNC=0", False), ("-DCPA_MIN_BLOCKS=3", False),
+                          ("-DCPA_KV_ASYNC=4", True), ("-DCPA_MIN_BLOCKS=3 -DCPA_KV_ASYNC=2", True)):
+        monkeypatch.setenv("CPA_NVCC_FLAGS", flags)
+        assert staged_loops_flagged() is staged, flags
