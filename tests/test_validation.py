@@ -407,3 +407,16 @@ def test_staged_loops_flag_detection(monkeypatch):
                           ("-DCPA_KV_ASYNC=4", True), ("-DCPA_MIN_BLOCKS=3 -DCPA_KV_ASYNC=2", True)):
         monkeypatch.setenv("CPA_NVCC_FLAGS", flags)
         assert staged_loops_flagged() is staged, flags
+
+
+def test_provenance_command_names_knob_flags(monkeypatch):
+    """A row made with CPA_NVCC_FLAGS records them; CPA_COMMAND, when set, is taken as is."""
+    from cpa.provenance import command
+
+    monkeypatch.delenv("CPA_COMMAND", raising=False)
+    monkeypatch.setenv("CPA_NVCC_FLAGS", "-DCPA_KV_ASYNC=4 -DCPA_MIN_BLOCKS=3")
+    assert command().startswith("CPA_NVCC_FLAGS='-DCPA_KV_ASYNC=4 -DCPA_MIN_BLOCKS=3' ")
+    monkeypatch.setenv("CPA_NVCC_FLAGS", "")
+    assert not command().startswith("CPA_NVCC_FLAGS")
+    monkeypatch.setenv("CPA_COMMAND", "python3 -m cpa bench")
+    assert command() == "python3 -m cpa bench"
