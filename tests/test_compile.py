@@ -193,6 +193,31 @@ def test_sm90_split_staged_loop(tmp_path):
         assert r["spill_stores"] + r["spill_loads"] == 0 and r["registers"] <= 255, (v.name, r)
 
 
+def test_sm90_sixteen_token_steps_fit_sixteen_warps_per_sm(tmp_path):
+    """-DCPA_STEP_TOKENS=16 -DCPA_NUM_WAVES=8 -DCPA_MIN_BLOCKS=2 -DCPA_KV_ASYNC=4 (an A/B knob set:
+    one m16 token tile per warp step, 8 waves per workgroup, the split staged loop): the bench
+    shape's mma variants fit 128 registers without spills -- two 256-thread workgroups, 16 warps
+    per SM -- and P reaches V's token order by quad shuffles; the direct 16-token build keeps
+    the same shuffles without cp.async."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    vs = [V.Variant("mfma16", 2048, 128, 16, "fp16", "auto", 8, "cuda"),
+          V.Variant("mfma4", 1024, 128, 16, "fp16", "auto", 8, "cuda")]
+    res, ptx = _sm90_attention(tmp_path, vs, ["-DCPA_STEP_TOKENS=16", "-DCPA_NUM_WAVES=8", "-DCPA_MIN_BLOCKS=2",
+                                              "-DCPA_KV_ASYNC=4"])
+    _, direct = _sm90_attention(tmp_path, vs, ["-DCPA_STEP_TOKENS=16"])
+    _, default = _sm90_attention(tmp_path, vs)
+    for v in vs:
+        r = res[v.name]
+        assert r["registers"] <= 128 and r["spill_stores"] + r["spill_loads"] == 0, (v.name, r)
+        assert "cp.async.ca.shared.global" in ptx[v.name] and "cp.async" not in direct[v.name]
+        # two 8-byte V loads per (d tile, row) instead of one 16-byte load
+        assert "ld.global.nc.L1::no_allocate.v2.u32" in direct[v.name]
+        assert direct[v.name].count("shfl.sync.idx") > default[v.name].count("shfl.sync.idx")
+    with pytest.raises(Exception, match="CPA_STEP_TOKENS is 16 or 32"):
+        _sm90_attention(tmp_path, vs[:1], ["-DCPA_STEP_TOKENS=64"])
+
+
 def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     """-DCPA_KV_ASYNC=3: the mma tilings fill their rings with TMA bulk copies that complete on
     mbarriers (no per-16-byte cp.async), read them with ld.shared, and the main variant keeps

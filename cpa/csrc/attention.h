@@ -21,6 +21,14 @@ namespace cpa {
 #ifndef CPA_MIN_BLOCKS
 #define CPA_MIN_BLOCKS 0
 #endif
+// Waves per attention workgroup: 4 (default), or 8 as an A/B knob (-DCPA_NUM_WAVES=8, e.g. with
+// 16-token steps, -DCPA_STEP_TOKENS=16, so that a workgroup still spans 128 tokens per round).
+#ifndef CPA_NUM_WAVES
+#define CPA_NUM_WAVES 4
+#endif
+#if CPA_NUM_WAVES != 4 && CPA_NUM_WAVES != 8
+#error "CPA_NUM_WAVES is 4 or 8 (the pairwise wave combine halves a power of two)"
+#endif
 // 0 compiles the fused-reduce epilogue out (then only the two-kernel path exists): an A/B knob
 // for its cost to the attention kernel when it is not used.
 #ifndef CPA_FUSED_REDUCE
@@ -109,12 +117,13 @@ template <class A, class B> struct Pick<false, A, B> { using type = B; };
 template <class A, class B> struct Same { static constexpr bool value = false; };
 template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
-// Tilings that stage steps in shared memory (define Staged), when CPA_KV_ASYNC is on.
+// Tilings that stage steps in shared memory (define Staged as a step copy: not void), when
+// CPA_KV_ASYNC is on.
 template <class Tl, class = void>
 struct StagesKV { static constexpr bool value = false; };
 #if CPA_KV_ASYNC
 template <class Tl>
-struct StagesKV<Tl, decltype(void(sizeof(typename Tl::Staged)))> { static constexpr bool value = true; };
+struct StagesKV<Tl, decltype(void(Tl::Staged::BYTES))> { static constexpr bool value = true; };
 #endif
 
 template <class Tl, bool STAGED>
@@ -129,7 +138,7 @@ struct StagedBlocks<Tl, true> { static constexpr int value = Tl::Staged::NBLK; }
 // One compile-time variant. Tag: TilingMfma16 / TilingMfma4 / TilingScalar.
 template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int CAP>
 struct AttnConfig {
-  static constexpr int NUM_WAVES = 4;
+  static constexpr int NUM_WAVES = CPA_NUM_WAVES;
   static constexpr int THREADS = NUM_WAVES * kWave;
   using Dtype = T;  // query and output
   using Tiling = Tag;

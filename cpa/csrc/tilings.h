@@ -49,6 +49,16 @@ struct TilingScalar {};  // no matrix cores: per-lane dot products
 #ifndef CPA_K_WHOLE_LINES
 #define CPA_K_WHOLE_LINES 1
 #endif
+// Tokens one warp takes per step in the mma tilings: 32 (default, two m16 tiles: 16 KB of a
+// 16-bit cache per warp at head 128) or 16 (one tile, half the bytes and the K/V registers
+// per warp, so that more warps fit an SM; with -DCPA_NUM_WAVES=8 a workgroup still spans 128
+// tokens per round). An A/B knob: more warps with fewer bytes each.
+#ifndef CPA_STEP_TOKENS
+#define CPA_STEP_TOKENS 32
+#endif
+#if CPA_STEP_TOKENS != 16 && CPA_STEP_TOKENS != 32
+#error "CPA_STEP_TOKENS is 16 or 32"
+#endif
 
 // Heads in the n = 8 dimension (NT tiles of 8 for GQA up to 16), tokens in m = 16.
 // Lane = 4 * g + t. A step is 32 tokens = two m16 tiles. Thread (g, t) loads
@@ -59,24 +69,31 @@ struct TilingScalar {};  // no matrix cores: per-lane dot products
 // transposed (movmatrix) score fragment has as the B operand of P x V; with 1, movmatrix
 // leaves lane t the token pairs 4 j + t (j = 2 i + half) where V has 4 t + j: a quad
 // transpose of the four P registers fixes that.
+//
+// With -DCPA_STEP_TOKENS=16 a step is one m16 tile: V rows are tokens 4t + [0, 4) (an 8-byte
+// load of a 16-bit cache), and P's pairs (t and 4 + t after movmatrix) are moved to V's (2t,
+// 2t + 1) by four quad shuffles.
 template <class T, int HEAD, int BLOCK, bool FP8, int NT, bool K8>
 struct MmaTiles {
   using KV_ = PagedKV<HEAD, BLOCK, FP8>;
-  static constexpr int TOKENS = 32;
+  static constexpr int NTILE = CPA_STEP_TOKENS / 16;  // m16 token tiles per step
+  static constexpr int TOKENS = 16 * NTILE;
   static constexpr int HEADS_CAP = 8 * NT;
   static constexpr int X = KV_::X;          // head dims per 16-byte key load
   static constexpr int KR = X / 2;          // packed registers per key load
   static constexpr int KG = HEAD / (4 * X); // key loads per token row
   static constexpr int MT = HEAD / 16;      // m16 tiles of head dims in P x V
-  static constexpr int NS = 2 * NT * 4;
+  static constexpr int VR = 2 * NTILE;      // packed registers per V row and lane
+  static constexpr int NS = NTILE * NT * 4;
   static constexpr int NO = MT * NT * 4;
   static constexpr int LH = 2 * NT;
   static_assert(HEAD % (4 * X) == 0, "head size must be a multiple of 4 key chunks");
+  static_assert(NTILE == 2 || CPA_K_WHOLE_LINES, "16-token steps use the whole-line K rows");
 
   struct Q { uint32_t r[NT][KG][KR]; };
   struct KV {
-    uint32_t k[2][2][KG][KR];  // [tile][row g, g+8][load][reg]
-    uint32_t v[MT][2][4];      // [d tile][row g, g+8][reg]: tokens 8t + 2 reg + {0,1}
+    uint32_t k[NTILE][2][KG][KR];  // [tile][row g, g+8][load][reg]
+    uint32_t v[MT][2][VR];         // [d tile][row g, g+8][reg]: tokens (TOKENS / 4) t + 2 reg + {0,1}
   };
 
   CPA_DEVICE static int g_() { return lane_id() >> 2; }
@@ -126,8 +143,11 @@ struct MmaTiles {
 
   // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
   // (Src = Staged): the same lane mapping either way.
-  using Staged = typename std::conditional<CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
-                                           StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type;
+  // (void -- no staging -- where a step is not whole blocks: 16-token steps at block 32)
+  using Staged = typename std::conditional<
+      TOKENS % BLOCK != 0, void,
+      typename std::conditional<CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
+                                StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type>::type;
   template <int PARTS = kLoadKV, class Src>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     constexpr bool S = Src::kShared;
@@ -135,7 +155,7 @@ struct MmaTiles {
     if constexpr (PARTS & kLoadK) {
       if constexpr (CPA_K_WHOLE_LINES) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < NTILE; ++i) {
           static_assert(BLOCK % 16 == 0, "a tile's 16 tokens lie in one block");
           const int ktok = tok0 + 16 * i + g;
           const int64_t kb = c.block_offset(ktok);
@@ -158,19 +178,22 @@ struct MmaTiles {
       }
     }
     if constexpr (!(PARTS & kLoadV)) return;
-    const int vtok = tok0 + 8 * t;
+    const int vtok = tok0 + (TOKENS / 4) * t;
     const int64_t vb = c.block_offset(vtok);
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
+      for (int rr = 0; rr < 2; ++rr) {
+        if constexpr (NTILE == 2) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
+        else load4_kv_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
+      }
     if (partial) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-          for (int u = 0; u < 4; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, c.seq_len);
+          for (int u = 0; u < VR; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, c.seq_len);
     }
   }
 
@@ -178,7 +201,7 @@ struct MmaTiles {
 #pragma unroll
     for (int e = 0; e < NS; ++e) s[e] = 0.f;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < NTILE; ++i)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&s[(i * NT + nt) * 4]);
@@ -203,16 +226,28 @@ struct MmaTiles {
   CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
     // Scores are [token row][head col]; P x V needs [head][token] per lane: transpose the
     // two 8x8 halves of each m16 tile with movmatrix.
-    uint32_t pb[2][NT][2];
+    uint32_t pb[NTILE][NT][2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < NTILE; ++i)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const float* sc = &pf[(i * NT + nt) * 4];
         pb[i][nt][0] = movmatrix_trans(T::pack(sc[0], sc[1]));
         pb[i][nt][1] = movmatrix_trans(T::pack(sc[2], sc[3]));
       }
-    if constexpr (CPA_K_WHOLE_LINES) {
+    if constexpr (NTILE == 1) {
+      // lane t holds token pairs t and 4 + t; V has pairs 2t, 2t + 1: pair 2t is pair 0 of
+      // lane 2t (t < 2) or pair 1 of lane 2t - 4, pair 2t + 1 likewise from lane 2t + 1 (mod 4)
+      const int t = t_(), quad = lane_id() & ~3, s0 = quad | ((2 * t) & 3), s1 = quad | ((2 * t + 1) & 3);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint32_t p0 = pb[0][nt][0], p1 = pb[0][nt][1];
+        const uint32_t x0 = __shfl_sync(0xffffffffu, p0, s0), x1 = __shfl_sync(0xffffffffu, p1, s0);
+        const uint32_t y0 = __shfl_sync(0xffffffffu, p0, s1), y1 = __shfl_sync(0xffffffffu, p1, s1);
+        pb[0][nt][0] = t < 2 ? x0 : x1;
+        pb[0][nt][1] = t < 2 ? y0 : y1;
+      }
+    } else if constexpr (CPA_K_WHOLE_LINES) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t r[4] = {pb[0][nt][0], pb[0][nt][1], pb[1][nt][0], pb[1][nt][1]};
@@ -226,7 +261,7 @@ struct MmaTiles {
       for (int nt = 0; nt < NT; ++nt) {
         float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < NTILE; ++i) {
           if constexpr (K8) {
             mma_m16n8k8<T>(acc, kv.v[m][0][2 * i], kv.v[m][1][2 * i], pb[i][nt][0]);
             mma_m16n8k8<T>(acc, kv.v[m][0][2 * i + 1], kv.v[m][1][2 * i + 1], pb[i][nt][1]);
