@@ -253,13 +253,14 @@ def _shared_unsupported(tiling, partition_size, platform) -> bool:
     from . import variants as V
 
     try:
-        v = V.variant_for(tiling=tiling, partition_size=partition_size, platform=platform, **_VARIANT_AXES)
+        v = V.variant_for(tiling=tiling, partition_size=partition_size, platform=platform, **VARIANT_AXES)
     except ValueError:
         return False  # not a variant: prepare() says so in the row
     return V.shared_steps_unsupported(v) is not None
 
 
-_VARIANT_AXES = dict(head_size=LLAMA70B["head_size"], block_size=LLAMA70B["block_size"], dtype="fp16",
+# the bench shape's variant axes (every tiling and partition size at these; jobs.bench_variants)
+VARIANT_AXES = dict(head_size=LLAMA70B["head_size"], block_size=LLAMA70B["block_size"], dtype="fp16",
                      kv_cache_dtype="auto", gqa_ratio=LLAMA70B["num_heads"] // LLAMA70B["num_kv_heads"])
 
 

@@ -31,12 +31,13 @@ def test_variants(platform: str) -> list[V.Variant]:
 def bench_variants(platform: str) -> list[V.Variant]:
     """The `cpa bench` shape's variants (fp16, head 128, block 16, GQA 8): every tiling and
     partition size the platform builds for it (on AMD, mfma4 holds at most 4 heads per KV head)."""
+    from .bench import VARIANT_AXES
+
     vs = []
     for t in V.TILINGS:
         for p in V.PARTITION_SIZES:
             try:
-                vs.append(V.variant_for(tiling=t, partition_size=p, head_size=128, block_size=16, dtype="fp16",
-                                        kv_cache_dtype="auto", gqa_ratio=8, platform=platform))
+                vs.append(V.variant_for(tiling=t, partition_size=p, platform=platform, **VARIANT_AXES))
             except ValueError:
                 pass
     return vs

@@ -219,26 +219,17 @@ CPA_DEVICE void load_chunk(uint32_t (&r)[FP8 ? 8 : 4], const uint8_t* p) {
     r[0] = w.x; r[1] = w.y; r[2] = w.z; r[3] = w.w;
   }
 }
-// Four cached elements of the KV cache (8 or 4 bytes) as two packed registers: the V rows of
-// the 16-token mma step (-DCPA_STEP_TOKENS=16). SMEM: p points into a staged copy.
-template <class T, bool FP8, bool SMEM = false>
-CPA_DEVICE void load4_kv_elems(uint32_t (&r)[2], const uint8_t* p) {
+// Four cached elements (8 or 4 bytes) as two packed registers. SMEM: p points into a staged
+// copy. KV_HINT: a 16-bit cache's 8 bytes come with the cache loads' hint (load8_kv), as in
+// load8_elems -- the 16-token mma step's V rows (-DCPA_STEP_TOKENS=16); the scalar tiling
+// keeps the plain load.
+template <class T, bool FP8, bool SMEM = false, bool KV_HINT = false>
+CPA_DEVICE void load4_elems(uint32_t (&r)[2], const uint8_t* p) {
   if constexpr (FP8) {
     u32x2 a = fp8x4_to_16bit<T>(SMEM ? *reinterpret_cast<const uint32_t*>(p) : load4(p));
     r[0] = a.x; r[1] = a.y;
   } else {
-    u32x2 w = SMEM ? lds8(p) : load8_kv(p);
-    r[0] = w.x; r[1] = w.y;
-  }
-}
-// Four cached elements (8 or 4 bytes) as two packed registers.
-template <class T, bool FP8>
-CPA_DEVICE void load4_elems(uint32_t (&r)[2], const uint8_t* p) {
-  if constexpr (FP8) {
-    u32x2 a = fp8x4_to_16bit<T>(load4(p));
-    r[0] = a.x; r[1] = a.y;
-  } else {
-    u32x2 w = load8(p);
+    u32x2 w = SMEM ? lds8(p) : KV_HINT ? load8_kv(p) : load8(p);
     r[0] = w.x; r[1] = w.y;
   }
 }

@@ -366,17 +366,23 @@ CPA_DEVICE u32x4 ld_cluster16(const float* p, int rank) {
 #ifndef CPA_CP_ASYNC_MODE
 #define CPA_CP_ASYNC_MODE 1
 #endif
+#if CPA_CP_ASYNC_MODE < 0 || CPA_CP_ASYNC_MODE > 3
+#error "CPA_CP_ASYNC_MODE is 0-3 (bit 0: .ca instead of .cg, bit 1: the .L2::128B hint)"
+#endif
+#if CPA_CP_ASYNC_MODE & 1
+#define CPA_CP_ASYNC_CACHE ".ca"
+#else
+#define CPA_CP_ASYNC_CACHE ".cg"
+#endif
+#if CPA_CP_ASYNC_MODE & 2
+#define CPA_CP_ASYNC_HINT ".L2::128B"
+#else
+#define CPA_CP_ASYNC_HINT ""
+#endif
 CPA_DEVICE void cp_async16(void* smem, const void* g) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-#if CPA_CP_ASYNC_MODE == 1
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
-#elif CPA_CP_ASYNC_MODE == 2
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
-#elif CPA_CP_ASYNC_MODE == 3
-  asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
-#endif
+  asm volatile("cp.async" CPA_CP_ASYNC_CACHE ".shared.global" CPA_CP_ASYNC_HINT " [%0], [%1], 16;" ::"r"(s), "l"(g)
+               : "memory");
 }
 CPA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 CPA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }

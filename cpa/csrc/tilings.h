@@ -185,7 +185,7 @@ struct MmaTiles {
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         if constexpr (NTILE == 2) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
-        else load4_kv_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
+        else load4_elems<T, FP8, S, true>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
       }
     if (partial) {
 #pragma unroll
