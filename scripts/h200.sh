@@ -2,7 +2,7 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async,
-# ab-reduce, clusters, bench, sweep:<grid>, repeat, profile, sass, readpattern.
+# ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -292,6 +292,19 @@ PYEOF
       CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-} $resume" \
         timeout ${CPA_BENCH_TIMEOUT:-540} $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} $resume \
         2>&1 | tail -80
+      ;;
+    target2)
+      # target 2 over its whole domain (batch <= 8, context >= 8k) beside cuDNN SDPA in the same
+      # call: batches 1, 2, 4, 8 x contexts 8k-128k, the mma tilings at P 512-8192, with the reduce
+      # launch and the fused reduce (the cluster combine where the bench allows it; no shared
+      # steps: level or slower everywhere they were measured). CPA_BENCH_RESUME as for `bench`.
+      A="--batches 1,2,4,8 --contexts 8192,16384,32768,65536,131072 --tilings mfma16,mfma4"
+      A="$A --partition-sizes 512,1024,2048,4096,8192 --no-shared ${CPA_T2_ARGS:-}"
+      $PY -m cpa prebuild --tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192 2>&1 | grep "prebuild:"
+      resume=""
+      if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/h200-target2.csv"; resume="--resume"; fi
+      CPA_COMMAND="python3 -m cpa bench $A $resume" timeout ${CPA_T2_TIMEOUT:-540} \
+        $PY -m cpa bench $A --out "$OUT/h200-target2.csv" $resume 2>&1 | tail -40
       ;;
     readpattern)
       # the K/V bytes of 8 x 32k read by a plain Triton reader: contiguous, paged (one KV head
