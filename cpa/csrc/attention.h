@@ -29,16 +29,6 @@ namespace cpa {
 #if CPA_NUM_WAVES != 4 && CPA_NUM_WAVES != 8
 #error "CPA_NUM_WAVES is 4 or 8 (the pairwise wave combine halves a power of two)"
 #endif
-// 1: an experiment, not a variant (compiled only; notes/kernel-notes.md, "A register pipeline
-// of 16-token steps"): the direct loop of the NVIDIA mma tilings holds two steps of K and V in
-// registers and issues step n + 1's loads after step n's QK. With -DCPA_STEP_TOKENS=16 (64
-// registers a step at head 128). ptxas schedules it back to "load, wait, math".
-#ifndef CPA_KV_PIPELINE
-#define CPA_KV_PIPELINE 0
-#endif
-#if CPA_KV_PIPELINE && CPA_KV_ASYNC
-#error "CPA_KV_PIPELINE is a direct-load loop: not with CPA_KV_ASYNC"
-#endif
 // 0 compiles the fused-reduce epilogue out (then only the two-kernel path exists): an A/B knob
 // for its cost to the attention kernel when it is not used.
 #ifndef CPA_FUSED_REDUCE
@@ -807,76 +797,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   constexpr int LOAD_ACC = CPA_LOAD_ONLY == 2 ? 64 : 1;
   uint32_t load_acc[LOAD_ACC] = {};
 #endif
-  constexpr bool kPipe = CPA_KV_PIPELINE && kNvidia && !Same<typename Cfg::Tiling, TilingScalar>::value && !kShared &&
-                        !Cfg::staged && !Cfg::v_after_qk && !CPA_LOAD_ONLY;
-  if constexpr (kPipe) {
-    // One step's math: QK (step_qk), then online softmax and P x V (step_pv).
-    const auto step_qk = [&](float (&s)[NS], typename Tl::KV& kv) { Tl::qk(s, q, kv, smem); };
-    const auto step_pv = [&](float (&s)[NS], typename Tl::KV& kv, int tok0, bool partial) {
-      float mt[LH];
-#pragma unroll
-      for (int lh = 0; lh < LH; ++lh) mt[lh] = -INFINITY;
-#pragma unroll
-      for (int e = 0; e < NS; ++e) {
-        const int lh = Tl::s_lhead(e);
-        const int tok = tok0 + Tl::s_token(e);
-        float x = s[e] * scale_log2 + slope[lh] * (float)(tok - seq_len + 1);
-        if (partial && tok >= seq_len) x = -INFINITY;
-        s[e] = x;
-        mt[lh] = fmaxf_(mt[lh], x);
-      }
-      float alpha[LH];
-#pragma unroll
-      for (int lh = 0; lh < LH; ++lh) {
-        const float mn = fmaxf_(m[lh], Tl::reduce_max(mt[lh]));
-        alpha[lh] = exp2f_fast(m[lh] - mn);
-        l[lh] *= alpha[lh];
-        m[lh] = mn;
-      }
-#pragma unroll
-      for (int e = 0; e < NO; ++e) o[e] *= alpha[Tl::o_lhead(e)];
-#pragma unroll
-      for (int e = 0; e < NS; ++e) {
-        const int lh = Tl::s_lhead(e);
-        s[e] = exp2f_fast(s[e] - m[lh]);
-        l[lh] += s[e];
-      }
-      Tl::pv(o, s, kv, smem);
-    };
-    // Two register sets used alternately; step n + 1's loads follow step n's QK, behind the
-    // loop's exit test; no load masks V (the last step, the only partial one, is masked where
-    // it is used); a never-taken branch keeps the two steps' math apart.
-    typename Tl::KV kva, kvb;
-    float s[NS];
-    const auto schedule_fence = [](int tok) {
-      asm volatile("" : "+r"(tok));
-#if CPA_CUDA
-      if (tok < 0) __trap();
-#endif
-    };
-    const auto last = [&](typename Tl::KV& kv, int t) {  // the wave's last step
-      if (t + Tl::TOKENS > seq_len) Tl::mask_v(kv, t, seq_len);
-      step_pv(s, kv, t, t + Tl::TOKENS > seq_len);
-    };
-    int tok0 = first;
-    if (tok0 < end) {
-      steps.load(kva, tok0, false, tok0 + STRIDE);
-      while (true) {
-        const int tb = tok0 + STRIDE, tc = tb + STRIDE;
-        step_qk(s, kva);
-        if (tb >= end) { last(kva, tok0); break; }
-        steps.load(kvb, tb, false, tc);
-        step_pv(s, kva, tok0, false);
-        schedule_fence(tb);
-        step_qk(s, kvb);
-        if (tc >= end) { last(kvb, tb); break; }
-        steps.load(kva, tc, false, tc + STRIDE);
-        step_pv(s, kvb, tb, false);
-        schedule_fence(tc);
-        tok0 = tc;
-      }
-    }
-  } else {
   for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : end);
        tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
@@ -924,7 +844,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
       l[lh] += s[e];
     }
     Tl::pv(o, s, kv, smem);
-  }
   }
   steps.finish();
 #if CPA_LOAD_ONLY

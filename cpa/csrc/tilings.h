@@ -187,18 +187,14 @@ struct MmaTiles {
         if constexpr (NTILE == 2) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
         else load4_elems<T, FP8, S, true>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
       }
-    if (partial) mask_v(kv, tok0, c.seq_len);
-  }
-  // Zero the V elements of tokens >= seq_len (their cache slots may hold anything, and
-  // 0 x NaN is NaN); load_kv does it for a partial step, the pipelined loop at the use.
-  CPA_DEVICE static void mask_v(KV& kv, int tok0, int seq_len) {
-    const int vtok = tok0 + (TOKENS / 4) * t_();
+    if (partial) {
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr)
+        for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-        for (int u = 0; u < VR; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, seq_len);
+          for (int u = 0; u < VR; ++u) kv.v[m][rr][u] = mask_pair(kv.v[m][rr][u], vtok + 2 * u, c.seq_len);
+    }
   }
 
   CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
