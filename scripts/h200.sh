@@ -300,7 +300,7 @@ PYEOF
       # steps: level or slower everywhere they were measured). CPA_BENCH_RESUME as for `bench`.
       A="--batches 1,2,4,8 --contexts 8192,16384,32768,65536,131072 --tilings mfma16,mfma4"
       A="$A --partition-sizes 512,1024,2048,4096,8192 --no-shared ${CPA_T2_ARGS:-}"
-      $PY -m cpa prebuild --tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192 2>&1 | grep "prebuild:"
+      $PY -m cpa prebuild --grid bench --tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192 2>&1 | grep "prebuild:"
       resume=""
       if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/h200-target2.csv"; resume="--resume"; fi
       CPA_COMMAND="python3 -m cpa bench $A $resume" timeout ${CPA_T2_TIMEOUT:-540} \
