@@ -298,7 +298,10 @@ PYEOF
       # call: batches 1, 2, 4, 8 x contexts 8k-128k, the mma tilings at P 512-8192, with the reduce
       # launch and the fused reduce (the cluster combine where the bench allows it; no shared
       # steps: level or slower everywhere they were measured). CPA_BENCH_RESUME as for `bench`.
-      A="--batches 1,2,4,8 --contexts 8192,16384,32768,65536,131072 --tilings mfma16,mfma4"
+      # (CPA_T2_BATCHES / CPA_T2_CONTEXTS: e.g. 3,5,6,7, where no power-of-two partition fills the
+      # SMs; CPA_T2_ARGS=--shared then adds the shared-steps rows, the last flag given wins)
+      A="--batches ${CPA_T2_BATCHES:-1,2,4,8} --contexts ${CPA_T2_CONTEXTS:-8192,16384,32768,65536,131072}"
+      A="$A --tilings mfma16,mfma4"
       A="$A --partition-sizes 512,1024,2048,4096,8192 --no-shared ${CPA_T2_ARGS:-}"
       $PY -m cpa prebuild --grid bench --tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192 2>&1 | grep "prebuild:"
       resume=""
