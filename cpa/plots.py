@@ -499,3 +499,54 @@ class CounterExplorer:
 def counter_explorer(joined, metrics: list[str]) -> CounterExplorer:
     """A :class:`CounterExplorer` (display it: the last expression of a cell)."""
     return CounterExplorer(joined, metrics)
+
+
+def read_patterns(df):
+    """Read rate of a plain streaming reader of one decode step's K/V bytes (`cpa read-patterns`)
+    against the KB one program has in flight per loop iteration: one panel per run, a line per
+    (layout, partition size); the run's read ceiling and, where the run timed them, the CPA
+    kernel and cuDNN SDPA on the same bytes as horizontal lines. **measured** (all of it)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from . import readpattern as RP
+
+    pts = RP.in_flight_rows(df)
+    runs = list(dict.fromkeys(df.run)) if "run" in df else [None]
+    fig = make_subplots(rows=1, cols=len(runs), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=[str(r).replace("h200-read-patterns", "run").strip("-") or "run" for r in runs])
+    colors = {"contiguous": "#1f77b4", "paged": "#d62728", "paged_all_heads": "#2ca02c"}
+    dashes = {4096: "solid", 8192: "dash"}
+    seen = set()
+    for col, run in enumerate(runs, start=1):
+        d = pts if run is None else pts[pts.run == run]
+        for (pattern, part), g in d.groupby(["pattern", "partition_size"]):
+            name = f"{pattern}, P {int(part)}"
+            fig.add_trace(go.Scatter(
+                x=g.kb_in_flight, y=g.gbps, mode="lines+markers", name=name, legendgroup=name,
+                showlegend=name not in seen, line=dict(color=colors.get(pattern), dash=dashes.get(int(part), "dot")),
+                text=g.apply(lambda r: f"{int(r.programs)} programs, {int(r.blocks_per_iter)} blocks x "
+                                       f"{int(r.num_warps)} warps, {r.kv_cache_dtype}", axis=1)), row=1, col=col)
+            seen.add(name)
+        whole = df if run is None else df[df.run == run]
+        ceil = whole.read_gbps_ceiling.dropna()
+        if len(ceil):
+            fig.add_hline(y=float(ceil.median()), line=dict(color="gray", width=1), annotation_text="read ceiling",
+                          annotation_position="bottom right", annotation_font_size=10, row=1, col=col)
+        xs = [d.kb_in_flight.min(), d.kb_in_flight.max()] if len(d) else [1, 1]
+        for r in whole[(whole.kind == "kernel") & whole.gbps.notna()].itertuples():
+            sdpa = r.pattern == "sdpa_cudnn"
+            name = "cuDNN SDPA (whole attention)" if sdpa else f"CPA {r.pattern}, P {int(r.partition_size)}"
+            fig.add_trace(go.Scatter(
+                x=xs, y=[r.gbps] * 2, mode="lines", name=name, legendgroup=name, showlegend=name not in seen,
+                line=dict(color="black", width=1.5, dash="dot" if sdpa else dashes.get(int(r.partition_size), "dot")),
+                hovertemplate=f"{name}: %{{y:.0f}} GB/s ({r.time_us:.1f} us)<extra></extra>"), row=1, col=col)
+            seen.add(name)
+        fig.update_xaxes(type="log", title="KB in flight per program and iteration",
+                         tickvals=sorted(d.kb_in_flight.unique()), row=1, col=col)
+    fig.update_yaxes(title="GB/s (bytes read once / median time)", row=1, col=1)
+    shapes = ", ".join(f"{int(b)} x {int(c) // 1024}k" for b, c in
+                       pts[["num_seqs", "max_seq_len"]].drop_duplicates().itertuples(index=False))
+    fig.update_layout(height=480, title=f"Paged vs contiguous K/V, read apart from any kernel ({_source(df)}; "
+                                        f"{shapes}, the kernel's programs)")
+    return fig

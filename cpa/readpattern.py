@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 PATTERNS = ("contiguous", "paged", "paged_all_heads")
 # reader shapes tried per pattern: (physical blocks per loop iteration, warps, pipeline stages).
@@ -297,14 +298,79 @@ def best_per_pattern(df):
     return best[cols].sort_values(["kind", "time_us"]).reset_index(drop=True)
 
 
+def in_flight_rows(df):
+    """The verified reader rows with ``kb_in_flight``, the KB one program has in flight per loop
+    iteration (blocks per iteration x the run x 2 tensors), best over reader shapes per
+    (run, KV cache dtype, pattern, partition size, KB): one row per point of a rate-vs-bytes curve."""
+    d = df[(df.kind == "reader") & (df.get("verified", False) == True)].copy()  # noqa: E712
+    if d.empty:
+        return d.assign(kb_in_flight=[])
+    per_block = d.bytes / (d.num_seqs * d.max_seq_len / d.block_size)  # K + V bytes of one block, all heads
+    heads = (d.pattern == "paged_all_heads") * (d.num_kv_heads - 1) + 1  # KV heads one program reads per block
+    d["kb_in_flight"] = (d.blocks_per_iter * per_block / d.num_kv_heads * heads / 1024).round(0).astype(int)
+    keys = [k for k in ("run", "kv_cache_dtype", "pattern", "partition_size", "kb_in_flight") if k in d]
+    return d.loc[d.groupby(keys).gbps.idxmax()].sort_values(keys).reset_index(drop=True)
+
+
 def rate_by_bytes_in_flight(df):
     """GB/s of each (pattern, partition size) against the bytes one program has in flight per
     loop iteration (blocks per iteration x run x 2 tensors; best over warps): does the layout's
     rate still grow past what one CPA workgroup keeps in flight (64 KB at head 128, fp16)?"""
-    d = df[(df.kind == "reader") & (df.get("verified", False) == True)].copy()  # noqa: E712
+    d = in_flight_rows(df)
     if d.empty:
         return d
-    per_block = d.bytes / (d.num_seqs * d.max_seq_len / d.block_size)  # K + V bytes of one block, all heads
-    heads = (d.pattern == "paged_all_heads") * (d.num_kv_heads - 1) + 1  # KV heads one program reads per block
-    d["kb_in_flight"] = (d.blocks_per_iter * per_block / d.num_kv_heads * heads / 1024).round(0).astype(int)
     return d.pivot_table(index=["pattern", "partition_size"], columns="kb_in_flight", values="gbps", aggfunc="max").round(0)
+
+
+# The shipped runs of `cpa read-patterns` (H200; data/bench/README.md gives each command).
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "data" / "bench" / "experiments"
+
+
+def load_shipped(paths=None):
+    """Every shipped read-pattern run (``data/bench/experiments/*read-patterns*.csv``, or
+    ``paths``) in one table, with ``run`` = the file's stem: rows of different runs (different
+    calls, maybe different H200s of the pool) are compared only within their run."""
+    import pandas as pd
+
+    paths = sorted(EXPERIMENTS.glob("*read-patterns*.csv")) if paths is None else [Path(p) for p in paths]
+    if not paths:
+        raise FileNotFoundError(f"no read-pattern runs under {EXPERIMENTS}")
+    return pd.concat([pd.read_csv(p).assign(run=Path(p).stem) for p in paths], ignore_index=True)
+
+
+def banner(df) -> str:
+    """One Markdown line saying where the read-pattern rows come from."""
+    def vals(col):
+        return ", ".join(sorted({str(v) for v in df[col].dropna()})) if col in df else "?"
+
+    runs = list(dict.fromkeys(df.run)) if "run" in df else []
+    commits = ", ".join(sorted({str(c)[:7] for c in df.git_commit.dropna()})) if "git_commit" in df else "?"
+    dates = ", ".join(sorted({str(t)[:10] for t in df.timestamp.dropna()})) if "timestamp" in df else "?"
+    return (f"**Shipped** `cpa read-patterns` runs, measured on {vals('device_name')} (driver "
+            f"{vals('driver_version')}, torch {vals('torch_version')}); {len(runs)} run(s) "
+            f"({', '.join(f'`{r}`' for r in runs)}), {len(df)} rows, commit {commits}, {dates}.")
+
+
+def layout_cost(df):
+    """Per (run, KV cache dtype, partition size): the best ``paged`` and ``contiguous`` reader
+    times and the paged / contiguous ratio (what the paged layout alone costs a reader of the
+    same programs and bytes), with the kernel and SDPA rows of the same run where it has them."""
+    import pandas as pd
+
+    d = df[df.time_us.notna()]
+    ok = d[(d.kind == "reader") & (d.get("verified", False) == True)]  # noqa: E712
+    keys = [k for k in ("run", "kv_cache_dtype", "partition_size") if k in ok]
+    best = ok.groupby(keys + ["pattern"]).time_us.min().unstack("pattern")
+    if not {"paged", "contiguous"} <= set(best.columns):
+        return pd.DataFrame()
+    out = best[["contiguous", "paged"]].rename(columns=lambda c: f"{c}_us")
+    out["paged_over_contiguous"] = out.paged_us / out.contiguous_us
+    k = d[d.kind == "kernel"]
+    if len(k) and "run" in k:
+        sdpa = k[k.pattern == "sdpa_cudnn"].groupby("run").time_us.min()
+        kern = k[k.pattern != "sdpa_cudnn"].set_index(["run", "partition_size"]).time_us
+        runs = out.index.get_level_values("run")
+        parts = out.index.get_level_values("partition_size")
+        out["kernel_us"] = [kern.get((r, p), float("nan")) for r, p in zip(runs, parts)]
+        out["sdpa_us"] = [sdpa.get(r, float("nan")) for r in runs]
+    return out.reset_index()

@@ -136,3 +136,76 @@ def test_summaries_of_a_run_table():
     assert list(table.columns) == [64, 128]
     assert table.loc[("paged", 8192), 64] == round(df.gbps[1]) and table.loc[("paged", 8192), 128] == round(df.gbps[2])
     assert table.loc[("paged_all_heads", 8192), 64] == round(df.gbps[4])
+
+
+def _synthetic_run(run="r1"):
+    import pandas as pd
+
+    rows = []
+    kv_bytes = 2 * 8 * 32768 * 8 * 128 * 2
+    for pattern, part, nb, warps, us in (("paged", 8192, 8, 4, 250.0), ("paged", 8192, 8, 8, 245.0),
+                                         ("paged", 8192, 16, 8, 235.0), ("contiguous", 8192, 8, 8, 240.0),
+                                         ("contiguous", 8192, 16, 8, 233.0), ("paged", 4096, 8, 8, 242.0),
+                                         ("contiguous", 4096, 8, 8, 238.0)):
+        rows.append(dict(kind="reader", pattern=pattern, partition_size=part, blocks_per_iter=nb, num_warps=warps,
+                         num_stages=1, num_seqs=8, max_seq_len=32768, num_kv_heads=8, head_size=128, block_size=16,
+                         kv_cache_dtype="auto", bytes=kv_bytes, time_us=us, verified=True, programs=256,
+                         read_gbps_ceiling=4500.0, device_name="NVIDIA H200", git_commit="a" * 40,
+                         timestamp="2026-12-05T00:00:00+00:00", run=run))
+    rows.append(dict(rows[0], blocks_per_iter=4, time_us=50.0, verified=False))  # a failed checksum: no rate
+    rows.append(dict(kind="kernel", pattern="mfma16", partition_size=8192, time_us=244.0, bytes=kv_bytes, run=run,
+                     verified=True, device_name="NVIDIA H200"))
+    rows.append(dict(kind="kernel", pattern="sdpa_cudnn", partition_size=0, time_us=239.0, bytes=kv_bytes, run=run,
+                     verified=True, device_name="NVIDIA H200"))
+    df = pd.DataFrame(rows)
+    df["gbps"] = df.bytes / (df.time_us * 1e-6) / 1e9
+    return df
+
+
+def test_in_flight_rows_keep_the_best_reader_shape_per_point():
+    rows = RP.in_flight_rows(_synthetic_run())
+    paged = rows[(rows.pattern == "paged") & (rows.partition_size == 8192)].set_index("kb_in_flight")
+    # 8 blocks x 4 KB x 2 tensors = 64 KB (two reader shapes: the faster, 245 us, is kept); 16 blocks = 128 KB;
+    # the unverified 4-block row (50 us) is no point at all
+    assert list(paged.index) == [64, 128]
+    assert paged.loc[64, "time_us"] == 245.0 and paged.loc[128, "time_us"] == 235.0
+    assert (rows.kind == "reader").all() and rows.verified.all()
+
+
+def test_layout_cost_compares_within_a_run():
+    import pandas as pd
+
+    df = pd.concat([_synthetic_run("r1"), _synthetic_run("r2").assign(time_us=lambda d: d.time_us * 2)])
+    cost = RP.layout_cost(df).set_index(["run", "partition_size"])
+    assert cost.loc[("r1", 8192), "paged_over_contiguous"] == 235.0 / 233.0
+    assert cost.loc[("r1", 4096), "paged_over_contiguous"] == 242.0 / 238.0
+    assert cost.loc[("r2", 8192), "paged_us"] == 470.0  # each run's own rows
+    assert cost.loc[("r1", 8192), "kernel_us"] == 244.0 and cost.loc[("r2", 8192), "kernel_us"] == 488.0
+    assert cost.loc[("r1", 8192), "sdpa_us"] == 239.0
+    assert pd.isna(cost.loc[("r1", 4096), "kernel_us"])  # no kernel row at that partition size
+
+
+def test_shipped_runs_load_with_their_provenance():
+    df = RP.load_shipped()
+    assert df.run.nunique() >= 1 and set(df.kind) <= {"reader", "kernel"}
+    readers = df[df.kind == "reader"]
+    assert readers.verified.all(), "a shipped reader row whose checksum failed"
+    assert (df.device_name == "NVIDIA H200").all() and df.git_commit.notna().all() and df.command.notna().all()
+    text = RP.banner(df)
+    assert "NVIDIA H200" in text and "cpa read-patterns" in text and str(df.git_commit.iloc[0])[:7] in text
+    cost = RP.layout_cost(df)
+    # the paged layout is slower than contiguous rows for a reader of the same programs and bytes in every run
+    assert len(cost) >= 2 and (cost.paged_over_contiguous > 1.0).all()
+
+
+def test_read_patterns_figure():
+    pytest.importorskip("plotly")
+    from cpa import plots
+
+    fig = plots.read_patterns(_synthetic_run())
+    names = [t.name for t in fig.data]
+    assert {"paged, P 8192", "contiguous, P 8192", "paged, P 4096", "contiguous, P 4096"} <= set(names)
+    assert "CPA mfma16, P 8192" in names and "cuDNN SDPA (whole attention)" in names
+    assert "measured on NVIDIA H200" in fig.layout.title.text and "8 x 32k" in fig.layout.title.text
+    paged = next(t for t in fig.data if t.name == "paged, P 8192")
+    assert list(paged.x) == [64, 128]
