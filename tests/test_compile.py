@@ -218,6 +218,59 @@ def test_sm90_sixteen_token_steps_fit_sixteen_warps_per_sm(tmp_path):
         _sm90_attention(tmp_path, vs[:1], ["-DCPA_STEP_TOKENS=64"])
 
 
+def test_sm90_raw_fp8_steps(tmp_path):
+    """-DCPA_FP8_STEP_TOKENS=64 (an A/B knob): fp8 caches at head <= 128 with one head tile take
+    64-token steps whose K and V stay raw in registers -- every V row one 16-byte load instead of
+    8-byte ones, twice the mma per step, decoded next to the mma (fp8 conversions as many as
+    the step's elements) -- within 255 registers; other variants compile as without it."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    raw = [V.Variant("mfma16", 2048, 128, 16, "fp16", "fp8", 8, "cuda"),
+           V.Variant("mfma4", 512, 128, 32, "bf16", "fp8", 8, "cuda")]
+    other = [V.Variant("mfma16", 256, 256, 16, "fp16", "fp8", 8, "cuda"),   # head 256: stays at 32 tokens
+             V.Variant("mfma16", 256, 128, 16, "fp16", "fp8", 16, "cuda"),  # two head tiles: likewise
+             V.Variant("mfma16", 2048, 128, 16, "fp16", "auto", 8, "cuda")]
+    flag = ["-DCPA_FP8_STEP_TOKENS=64"]
+    res, ptx = _sm90_attention(tmp_path, raw + other, flag)
+    base_res, base = _sm90_attention(tmp_path, raw + other)
+    mma = re.compile(r"mma\.sync\.aligned\.m16n8k(8|16)")
+    for v in raw:
+        r = res[v.name]
+        assert r["registers"] <= 255 and r["spill_stores"] <= 16, (v.name, r)  # (8-16 bytes: one value)
+        # 32-token step: 16 V rows of 8 bytes per lane; 64-token step: 16 rows of 16 bytes
+        v2, v4 = "ld.global.nc.L1::no_allocate.v2.u32", "ld.global.nc.L1::no_allocate.v4.u32"
+        assert v2 in base[v.name] and v2 not in ptx[v.name]
+        # K: twice the 16-byte loads (twice the tokens); V: as many rows, each now 16 bytes
+        assert ptx[v.name].count(v4) == 2 * base[v.name].count(v4) + base[v.name].count(v2)
+        assert len(mma.findall(ptx[v.name])) == 2 * len(mma.findall(base[v.name]))
+    for v in other:
+        assert ptx[v.name] == base[v.name] and res[v.name] == base_res[v.name], v.name
+    with pytest.raises(Exception, match="CPA_FP8_STEP_TOKENS is 32 or 64"):
+        _sm90_attention(tmp_path, raw[:1], ["-DCPA_FP8_STEP_TOKENS=128"])
+
+
+def test_sm90_fp8_decode_without_the_scale_multiply(tmp_path):
+    """-DCPA_FP8_UNSCALED=1 (an A/B knob): the hardware e4m3 conversions stay, their multiplies
+    by 2^-8 go (the kernel folds 2^-8 into its two scales), which also cuts the fp8 head-256
+    variants' spills; 16-bit caches compile as without it."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    fp8 = [V.Variant("mfma16", 2048, 128, 16, "fp16", "fp8", 8, "cuda"),
+           V.Variant("mfma16", 256, 256, 16, "bf16", "fp8", 8, "cuda"),
+           V.Variant("scalar", 512, 128, 32, "fp16", "fp8", 8, "cuda")]
+    auto = [V.Variant("mfma16", 2048, 128, 16, "fp16", "auto", 8, "cuda")]
+    res, ptx = _sm90_attention(tmp_path, fp8 + auto, ["-DCPA_FP8_UNSCALED=1"])
+    base_res, base = _sm90_attention(tmp_path, fp8 + auto)
+    for v in fp8:
+        cvt = base[v.name].count("cvt.rn.f16x2.e4m3x2")
+        assert cvt > 0 and ptx[v.name].count("cvt.rn.f16x2.e4m3x2") == cvt, v.name
+        assert base[v.name].count("mul.rn.f16x2") >= cvt // 2 and "mul.rn.f16x2" not in ptx[v.name], v.name
+        assert res[v.name]["registers"] <= base_res[v.name]["registers"], v.name
+    h256 = fp8[1].name  # spills at head 256 (bf16: 60 -> 12 bytes stored, nvcc 13.0; fp16: 88 -> 0)
+    assert 0 < base_res[h256]["spill_stores"] and res[h256]["spill_stores"] < base_res[h256]["spill_stores"] / 2
+    assert ptx[auto[0].name] == base[auto[0].name]
+
+
 def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     """-DCPA_KV_ASYNC=3: the mma tilings fill their rings with TMA bulk copies that complete on
     mbarriers (no per-16-byte cp.async), read them with ld.shared, and the main variant keeps

@@ -59,9 +59,15 @@ def shfl(x, src):
 
 
 @pytest.mark.parametrize("k8", [False, True], ids=["m16n8k16", "m16n8k8"])
-@pytest.mark.parametrize("tokens", [32, 16])
+@pytest.mark.parametrize("tokens", [32, 16, 64])
 def test_mma_step_computes_scores_and_output(tokens, k8):
+    """64: the raw fp8 step (-DCPA_FP8_STEP_TOKENS=64): 16 elements per 16-byte key chunk, each
+    lane's V rows 16 tokens long; replayed on the decoded values (raw word j of a load decodes
+    to its pairs 2j and 2j + 1, the decoded layout's registers), P reordered by two quad
+    transposes."""
     ntile, nt_count = tokens // 16, 1  # 8 query heads: one n8 tile
+    X = 16 if tokens == 64 else globals()["X"]  # fp8 chunks for the raw step
+    KR, KG = X // 2, HEAD // (4 * X)
     rng = np.random.default_rng(tokens + k8)
     K = rng.integers(-4, 5, (tokens, HEAD)).astype(float)  # [token][dim] of the step
     V = rng.integers(-4, 5, (HEAD, tokens)).astype(float)  # [dim][token]
@@ -105,7 +111,10 @@ def test_mma_step_computes_scores_and_output(tokens, k8):
     pf = [[P[2 * t + (e & 1), 16 * (e // 4) + g + 8 * ((e & 3) >> 1)] for e in range(ntile * 4)] for g, t in lanes()]
     pb = [[movmatrix_trans([np.array(pf[lane][i * 4 + 2 * h:i * 4 + 2 * h + 2]) for lane in range(W)])
            for h in range(2)] for i in range(ntile)]  # pb[i][h][lane]
-    if ntile == 2:
+    if ntile == 4:  # slots 2k + c (k = 0..3) transposed across the quad land in slots 4c + k
+        r = [quad_transpose4([[pb[k][c][lane] for k in range(4)] for lane in range(W)]) for c in range(2)]
+        pb = [[[r[(2 * i + h) // 4][lane][(2 * i + h) % 4] for lane in range(W)] for h in range(2)] for i in range(4)]
+    elif ntile == 2:
         r = quad_transpose4([[pb[0][0][lane], pb[0][1][lane], pb[1][0][lane], pb[1][1][lane]] for lane in range(W)])
         pb = [[[r[lane][2 * i + h] for lane in range(W)] for h in range(2)] for i in range(2)]
     else:

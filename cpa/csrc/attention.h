@@ -691,7 +691,7 @@ CPA_DEVICE void cluster_combine(const AttnParams& p, int64_t row0, const float* 
       mx = mn;
     }
     if (valid && sub == 0) {
-      const float inv = p.out_scale / den;
+      const float inv = p.out_scale / (Cfg::fp8 ? kFp8DecodeScale : 1.f) / den;
       uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
       o[0] = T::pack(a0 * inv, a1 * inv);
       o[1] = T::pack(a2 * inv, a3 * inv);
@@ -773,6 +773,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   typename Tl::Q q;
   Tl::load_q(q, p.query + ((int64_t)seq * p.num_heads + head0) * HEAD, p.gqa, smem);
   float scale_log2 = p.scale_log2;
+  if constexpr (Cfg::fp8 && kFp8DecodeScale != 1.f) scale_log2 *= 1.f / kFp8DecodeScale;  // (CPA_FP8_UNSCALED)
   if constexpr (Cfg::half_math) scale_log2 *= query_to_half(q);
 
   float m[LH], l[LH], slope[LH], o[NO];
@@ -904,7 +905,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
     if (Tl::writer()) {
       float inv[LH];
 #pragma unroll
-      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / l[lh];
+      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / (Cfg::fp8 ? kFp8DecodeScale : 1.f) / l[lh];
 #pragma unroll
       for (int e = 0; e < NO; ++e) o[e] *= inv[Tl::o_lhead(e)];
       // One test per destination, outside the unrolled stores: tested per element, the

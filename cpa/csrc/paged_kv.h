@@ -242,4 +242,12 @@ CPA_DEVICE uint32_t mask_pair(uint32_t w, int tok, int seq_len) {
   return w;
 }
 
+// Zero the bytes of raw fp8 word `w` (tokens tok .. tok + 3) past seq_len (fp8 0x00 is +0).
+CPA_DEVICE uint32_t mask_bytes(uint32_t w, int tok, int seq_len) {
+  const int keep = seq_len - tok;
+  if (keep >= 4) return w;
+  if (keep <= 0) return 0u;
+  return w & ((1u << (8 * keep)) - 1u);
+}
+
 }  // namespace cpa
