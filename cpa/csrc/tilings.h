@@ -84,7 +84,9 @@ struct TilingScalar {};  // no matrix cores: per-lane dot products
 //
 // With -DCPA_STEP_TOKENS=16 a step is one m16 tile: V rows are tokens 4t + [0, 4) (an 8-byte
 // load of a 16-bit cache), and P's pairs (t and 4 + t after movmatrix) are moved to V's (2t,
-// 2t + 1) by four quad shuffles.
+// 2t + 1) by four quad shuffles. With -DCPA_FP8_STEP_TOKENS=64 (fp8, RAW below) a step is four
+// tiles: V rows are tokens 16t + [0, 16) (one 16-byte load of raw fp8), and P reaches that
+// order by two quad transposes.
 template <class T, int HEAD, int BLOCK, bool FP8, int NT, bool K8>
 struct MmaTiles {
   using KV_ = PagedKV<HEAD, BLOCK, FP8>;
