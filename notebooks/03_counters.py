@@ -174,9 +174,11 @@ for run, g in main.groupby("run"):
 
 # %% [markdown]
 # What the shipped runs say (notes/kernel-notes.md, "Read patterns apart from the kernel"):
-# the paged layout costs a reader one to three percent against contiguous rows, so it is not
-# what separates the kernel from SDPA at 8 x 32k; a reader issuing what one CPA workgroup
-# keeps in flight (64 KB) reads at about the kernel's own rate, and only twice that (128 KB
-# per program, about 256 KB per SM) reads faster than SDPA's whole attention. Reading whole
-# physical blocks per program (`paged_all_heads`) gains nothing. The fp8 run (half the bytes
-# per block) shows the same ordering.
+# the paged layout costs a reader one to three percent against contiguous rows of the same
+# programs and bytes, so the layout is not what separates the kernel from SDPA at 8 x 32k. At
+# 256 programs (P 8192, the split cuDNN's SDPA runs there) a reader issuing what one CPA
+# workgroup keeps in flight (64 KB per program) reads at about the kernel's own rate, and 128 KB
+# per program reads faster than SDPA's whole attention in the same call; with 512 programs
+# (P 4096) the paged readers read above SDPA's rate at every size tried, while the kernel at
+# P 4096 is level with SDPA. The best whole-block reader (`paged_all_heads`) is no faster than
+# the best paged one. The fp8 run shows the same ordering at half the bytes.
