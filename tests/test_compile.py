@@ -271,6 +271,24 @@ def test_sm90_fp8_decode_without_the_scale_multiply(tmp_path):
     assert ptx[auto[0].name] == base[auto[0].name]
 
 
+def test_sm90_block_table_entries_per_lane_for_fp8_when_asked(tmp_path):
+    """-DCPA_BT_PREFETCH=2 (an A/B knob): the fp8 mma variants at head <= 128 also take their
+    blocks' table entries from lanes (shuffles) instead of reading the table each step, without
+    spills; 16-bit caches compile as at 1 (the default)."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    fp8 = [V.Variant("mfma16", 2048, 128, 16, "fp16", "fp8", 8, "cuda"),
+           V.Variant("mfma4", 512, 128, 32, "bf16", "fp8", 8, "cuda")]
+    auto = [V.Variant("mfma16", 2048, 128, 16, "fp16", "auto", 8, "cuda")]
+    res, ptx = _sm90_attention(tmp_path, fp8 + auto, ["-DCPA_BT_PREFETCH=2"])
+    _, base = _sm90_attention(tmp_path, fp8 + auto)
+    for v in fp8:
+        r = res[v.name]
+        assert r["registers"] <= 255 and r["spill_stores"] + r["spill_loads"] == 0, (v.name, r)
+        assert ptx[v.name].count("shfl.sync.idx") > base[v.name].count("shfl.sync.idx"), v.name
+    assert ptx[auto[0].name] == base[auto[0].name]
+
+
 def test_sm90_ring_loop_uses_bulk_copies_only_when_asked(tmp_path):
     """-DCPA_KV_ASYNC=3: the mma tilings fill their rings with TMA bulk copies that complete on
     mbarriers (no per-16-byte cp.async), read them with ld.shared, and the main variant keeps

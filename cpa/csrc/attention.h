@@ -185,7 +185,8 @@ struct AttnConfig {
 // read): fp8 caches +22-48 registers and new spills at head 128 bf16, 16 heads per tile
 // spill, head 256 spills 1.5x, scalar +30-60. So it applies by default only where it was
 // measured (kTabled below), on NVIDIA only (AMD: unmeasured, +2 VGPRs on gfx942).
-// -DCPA_BT_PREFETCH=0|1 for the A/B.
+// -DCPA_BT_PREFETCH=0|1 for the A/B; 2: fp8 caches too (an A/B knob, compiled only: since fp8
+// runs fp16 tiles, mfma16 / mfma4 head 128 fit 218-224 registers without spills; 194-204 at 1).
 #ifndef CPA_BT_PREFETCH
 #if CPA_CUDA
 #define CPA_BT_PREFETCH 1
@@ -235,10 +236,10 @@ struct KVSteps {
   static constexpr int BLOCK = Cfg::block_size;
   static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
   static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
-  // (matrix-core tilings, 16-bit cache, head <= 128, <= 8 heads per tile: see CPA_BT_PREFETCH)
+  // (matrix-core tilings, 16-bit cache (fp8 too at 2), head <= 128, <= 8 heads per tile: see CPA_BT_PREFETCH)
   static constexpr int WAVE_BLOCKS = (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK;
   static constexpr bool kTabled = CPA_BT_PREFETCH && !Same<typename Cfg::Tiling, TilingScalar>::value &&
-                                  !Cfg::fp8 && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
+                                  (!Cfg::fp8 || CPA_BT_PREFETCH >= 2) && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
                                   WAVE_BLOCKS <= kMaxEntries * kWave && kWave % NBLK == 0;
   static constexpr int NE = (WAVE_BLOCKS + kWave - 1) / kWave;  // entries per lane
   using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK, NE>, Cache>::type;
