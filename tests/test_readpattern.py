@@ -155,6 +155,7 @@ def _synthetic_run(run="r1"):
     rows.append(dict(rows[0], blocks_per_iter=4, time_us=50.0, verified=False))  # a failed checksum: no rate
     rows.append(dict(kind="kernel", pattern="mfma16", partition_size=8192, time_us=244.0, bytes=kv_bytes, run=run,
                      verified=True, device_name="NVIDIA H200"))
+    rows.append(dict(rows[-1], pattern="mfma4", time_us=246.0))  # a slower tiling at the same size
     rows.append(dict(kind="kernel", pattern="sdpa_cudnn", partition_size=0, time_us=239.0, bytes=kv_bytes, run=run,
                      verified=True, device_name="NVIDIA H200"))
     df = pd.DataFrame(rows)
@@ -205,7 +206,7 @@ def test_read_patterns_figure():
     fig = plots.read_patterns(_synthetic_run())
     names = [t.name for t in fig.data]
     assert {"paged, P 8192", "contiguous, P 8192", "paged, P 4096", "contiguous, P 4096"} <= set(names)
-    assert "CPA mfma16, P 8192" in names and "cuDNN SDPA (whole attention)" in names
+    assert {"CPA mfma16, P 8192", "CPA mfma4, P 8192", "cuDNN SDPA (whole attention)"} <= set(names)
     assert "measured on NVIDIA H200" in fig.layout.title.text and "8 x 32k" in fig.layout.title.text
     paged = next(t for t in fig.data if t.name == "paged, P 8192")
     assert list(paged.x) == [64, 128]
