@@ -222,7 +222,7 @@ def test_sm90_raw_fp8_steps(tmp_path):
     """-DCPA_FP8_STEP_TOKENS=64 (an A/B knob): fp8 caches at head <= 128 with one head tile take
     64-token steps whose K and V stay raw in registers -- every V row one 16-byte load instead of
     8-byte ones, twice the mma per step, decoded next to the mma (fp8 conversions as many as
-    the step's elements) -- within 255 registers; other variants compile as without it."""
+    the step's elements) -- without spills; other variants compile as without it."""
     if not _have("nvcc"):
         pytest.skip("nvcc not on PATH")
     raw = [V.Variant("mfma16", 2048, 128, 16, "fp16", "fp8", 8, "cuda"),
@@ -236,7 +236,7 @@ def test_sm90_raw_fp8_steps(tmp_path):
     mma = re.compile(r"mma\.sync\.aligned\.m16n8k(8|16)")
     for v in raw:
         r = res[v.name]
-        assert r["registers"] <= 255 and r["spill_stores"] <= 16, (v.name, r)  # (8-16 bytes: one value)
+        assert r["registers"] <= 255 and r["spill_stores"] + r["spill_loads"] == 0, (v.name, r)
         # 32-token step: 16 V rows of 8 bytes per lane; 64-token step: 16 rows of 16 bytes
         v2, v4 = "ld.global.nc.L1::no_allocate.v2.u32", "ld.global.nc.L1::no_allocate.v4.u32"
         assert v2 in base[v.name] and v2 not in ptx[v.name]

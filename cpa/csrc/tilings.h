@@ -115,6 +115,7 @@ struct MmaTiles {
   struct KVRaw {                  // RAW: each 16-byte load as loaded (16 fp8 elements)
     uint32_t k[NTILE][2][KG][4];  // [tile][row g, g+8][load][word]
     uint32_t v[MT][2][4];         // [d tile][row g, g+8][word]: tokens 16 t + 4 word + [0, 4)
+    uint32_t vmask[4];            // per word: the bytes of tokens < seq_len (all ones but at the end)
   };
   using KV = typename std::conditional<RAW, KVRaw, KVDecoded>::type;
   static_assert(!RAW || (NTILE == 4 && KR == 8 && VR == 8 && CPA_K_WHOLE_LINES), "raw fp8 steps: 4 tiles, whole lines");
@@ -205,14 +206,10 @@ struct MmaTiles {
           const u32x4 w = load16_kv(c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
           kv.v[m][rr][0] = w.x; kv.v[m][rr][1] = w.y; kv.v[m][rr][2] = w.z; kv.v[m][rr][3] = w.w;
         }
-      if (partial) {
+      // the masks need no data: applied where each word is decoded (pv_raw), not here, where a
+      // branch over the loaded registers made ptxas copy all of them right after the loads
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-            for (int w = 0; w < 4; ++w) kv.v[m][rr][w] = mask_bytes(kv.v[m][rr][w], vtok + 4 * w, c.seq_len);
-      }
+      for (int w = 0; w < 4; ++w) kv.vmask[w] = partial ? mask_bytes(~0u, vtok + 4 * w, c.seq_len) : ~0u;
     }
   }
   template <int PARTS, class Src>
@@ -372,7 +369,8 @@ struct MmaTiles {
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int i = 0; i < NTILE; ++i) {
-        const u32x2 v0 = fp8x4_to_16bit<T>(kv.v[m][0][i]), v1 = fp8x4_to_16bit<T>(kv.v[m][1][i]);
+        const u32x2 v0 = fp8x4_to_16bit<T>(kv.v[m][0][i] & kv.vmask[i]);
+        const u32x2 v1 = fp8x4_to_16bit<T>(kv.v[m][1][i] & kv.vmask[i]);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]);
