@@ -33,6 +33,17 @@ ab_off() {
   CPA_COMMAND="python3 -m cpa bench $A" timeout 200 $PY -m cpa bench $A --out "$OUT/ab-$1-off.csv" 2>&1 \
     | grep -A18 "best_us" | head -18
 }
+# bench_rows FILE TIMEOUT LINES ARGS...: `cpa bench ARGS` into $OUT/FILE, the last LINES of its
+# output shown. The whole table outlasts one call: CPA_BENCH_RESUME=<the CSV an earlier call
+# brought back, copied into the working tree> continues it (same options, same commit; shapes it
+# holds are kept, the rest measured); a timeout keeps the shapes finished (OUT is rewritten after each)
+bench_rows() {
+  local f="$1" t="$2" n="$3" resume=""
+  shift 3
+  if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/$f"; resume="--resume"; fi
+  CPA_COMMAND="python3 -m cpa bench --out data/bench/$f $* $resume" \
+    timeout "$t" $PY -m cpa bench --out "$OUT/$f" "$@" $resume 2>&1 | tail -"$n"
+}
 # for_each_arm FN: FN FLAGS INDEX for each arm of CPA_AB_ARMS="flags0|flags1|..." (an empty arm
 # is the default build; the appended '|' keeps a trailing empty arm, which read -a would drop)
 for_each_arm() {
@@ -283,15 +294,9 @@ for p in (256, 512, 1024, 2048, 4096):
 PYEOF
       ;;
     bench)
-      # the whole table outlasts one call: CPA_BENCH_RESUME=<the CSV an earlier call brought back,
-      # copied into the working tree> continues it (same options, same commit; shapes it holds
-      # are kept, the rest measured); a timeout keeps the shapes finished (OUT is rewritten after each)
+      # (CPA_BENCH_RESUME: see bench_rows)
       $PY -m cpa prebuild --grid bench 2>&1 | grep "prebuild:"  # in parallel, not one by one inside the timeout
-      resume=""
-      if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/h200-kernel.csv"; resume="--resume"; fi
-      CPA_COMMAND="python3 -m cpa bench --out data/bench/h200-kernel.csv ${CPA_BENCH_ARGS:-} $resume" \
-        timeout ${CPA_BENCH_TIMEOUT:-540} $PY -m cpa bench --out "$OUT/h200-kernel.csv" ${CPA_BENCH_ARGS:-} $resume \
-        2>&1 | tail -80
+      bench_rows h200-kernel.csv ${CPA_BENCH_TIMEOUT:-540} 80 ${CPA_BENCH_ARGS:-}
       ;;
     target2)
       # target 2 over its whole domain (batch <= 8, context >= 8k) beside cuDNN SDPA in the same
@@ -300,14 +305,11 @@ PYEOF
       # steps: level or slower everywhere they were measured). CPA_BENCH_RESUME as for `bench`.
       # (CPA_T2_BATCHES / CPA_T2_CONTEXTS: e.g. 3,5,6,7, where no power-of-two partition fills the
       # SMs; CPA_T2_ARGS=--shared then adds the shared-steps rows, the last flag given wins)
-      A="--batches ${CPA_T2_BATCHES:-1,2,4,8} --contexts ${CPA_T2_CONTEXTS:-8192,16384,32768,65536,131072}"
-      A="$A --tilings mfma16,mfma4"
-      A="$A --partition-sizes 512,1024,2048,4096,8192 --no-shared ${CPA_T2_ARGS:-}"
-      $PY -m cpa prebuild --grid bench --tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192 2>&1 | grep "prebuild:"
-      resume=""
-      if [ -n "${CPA_BENCH_RESUME:-}" ]; then cp "$CPA_BENCH_RESUME" "$OUT/h200-target2.csv"; resume="--resume"; fi
-      CPA_COMMAND="python3 -m cpa bench $A $resume" timeout ${CPA_T2_TIMEOUT:-540} \
-        $PY -m cpa bench $A --out "$OUT/h200-target2.csv" $resume 2>&1 | tail -40
+      V="--tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192"
+      $PY -m cpa prebuild --grid bench $V 2>&1 | grep "prebuild:"
+      bench_rows h200-target2.csv ${CPA_T2_TIMEOUT:-540} 40 \
+        --batches ${CPA_T2_BATCHES:-1,2,4,8} --contexts ${CPA_T2_CONTEXTS:-8192,16384,32768,65536,131072} \
+        $V --no-shared ${CPA_T2_ARGS:-}
       ;;
     readpattern)
       # the K/V bytes of 8 x 32k read by a plain Triton reader: contiguous, paged (one KV head

@@ -144,6 +144,8 @@ struct AttnConfig {
   using Tiling = Tag;
   // the tiles' operand type: fp16 for bf16 queries with an fp8 cache (CPA_FP8_F16_MMA)
   static constexpr bool half_math = CPA_FP8_F16_MMA && FP8 && T::is_bf16 && !Same<Tag, TilingScalar>::value;
+  // the cache's decoded values over the host's scales' convention (CPA_FP8_UNSCALED: 256 for fp8)
+  static constexpr float decode_scale = FP8 ? kFp8DecodeScale : 1.f;
   // load V after QK (CPA_V_AFTER_QK): forced, or by default the NVIDIA mma tilings at head >= 256
   static constexpr bool v_after_qk =
       CPA_V_AFTER_QK > 0 || (CPA_V_AFTER_QK < 0 && kNvidia && HEAD >= 256 && !Same<Tag, TilingScalar>::value);
@@ -692,7 +694,7 @@ CPA_DEVICE void cluster_combine(const AttnParams& p, int64_t row0, const float* 
       mx = mn;
     }
     if (valid && sub == 0) {
-      const float inv = p.out_scale / (Cfg::fp8 ? kFp8DecodeScale : 1.f) / den;
+      const float inv = p.out_scale / Cfg::decode_scale / den;
       uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
       o[0] = T::pack(a0 * inv, a1 * inv);
       o[1] = T::pack(a2 * inv, a3 * inv);
@@ -774,7 +776,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   typename Tl::Q q;
   Tl::load_q(q, p.query + ((int64_t)seq * p.num_heads + head0) * HEAD, p.gqa, smem);
   float scale_log2 = p.scale_log2;
-  if constexpr (Cfg::fp8 && kFp8DecodeScale != 1.f) scale_log2 *= 1.f / kFp8DecodeScale;  // (CPA_FP8_UNSCALED)
+  if constexpr (Cfg::decode_scale != 1.f) scale_log2 *= 1.f / Cfg::decode_scale;  // (CPA_FP8_UNSCALED)
   if constexpr (Cfg::half_math) scale_log2 *= query_to_half(q);
 
   float m[LH], l[LH], slope[LH], o[NO];
@@ -906,7 +908,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
     if (Tl::writer()) {
       float inv[LH];
 #pragma unroll
-      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / (Cfg::fp8 ? kFp8DecodeScale : 1.f) / l[lh];
+      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / Cfg::decode_scale / l[lh];
 #pragma unroll
       for (int e = 0; e < NO; ++e) o[e] *= inv[Tl::o_lhead(e)];
       // One test per destination, outside the unrolled stores: tested per element, the

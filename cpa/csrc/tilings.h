@@ -122,6 +122,19 @@ struct MmaTiles {
 
   CPA_DEVICE static int g_() { return lane_id() >> 2; }
   CPA_DEVICE static int t_() { return lane_id() & 3; }
+  // One k16 step: A rows g / g + 8 as pairs (r0 lo, r1 lo, r0 hi, r1 hi), B (b0, b1): one
+  // m16n8k16, or (K8, mfma4) two m16n8k8 in k order.
+  CPA_DEVICE static void kstep16(float (&acc)[4], uint32_t r0lo, uint32_t r1lo, uint32_t r0hi, uint32_t r1hi,
+                                 uint32_t b0, uint32_t b1) {
+    if constexpr (K8) {
+      mma_m16n8k8<T>(acc, r0lo, r1lo, b0);
+      mma_m16n8k8<T>(acc, r0hi, r1hi, b1);
+    } else {
+      const uint32_t a[4] = {r0lo, r1lo, r0hi, r1hi};
+      const uint32_t b[2] = {b0, b1};
+      mma_m16n8k16<T>(acc, a, b);
+    }
+  }
 
   CPA_DEVICE static void load_q(Q& q, const uint16_t* qg, int gqa, void*) {
     const int g = g_(), t = t_();
@@ -278,17 +291,9 @@ struct MmaTiles {
         for (int j = 0; j < 4; ++j) {
           const u32x2 k0 = fp8x4_to_16bit<T>(kv.k[i][0][p][j]), k1 = fp8x4_to_16bit<T>(kv.k[i][1][p][j]);
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&s[(i * NT + nt) * 4]);
-            if constexpr (K8) {
-              mma_m16n8k8<T>(acc, k0.x, k1.x, q.r[nt][p][2 * j]);
-              mma_m16n8k8<T>(acc, k0.y, k1.y, q.r[nt][p][2 * j + 1]);
-            } else {
-              const uint32_t a[4] = {k0.x, k1.x, k0.y, k1.y};
-              const uint32_t b[2] = {q.r[nt][p][2 * j], q.r[nt][p][2 * j + 1]};
-              mma_m16n8k16<T>(acc, a, b);
-            }
-          }
+          for (int nt = 0; nt < NT; ++nt)
+            kstep16(*reinterpret_cast<float(*)[4]>(&s[(i * NT + nt) * 4]), k0.x, k1.x, k0.y, k1.y,
+                    q.r[nt][p][2 * j], q.r[nt][p][2 * j + 1]);
         }
   }
   CPA_DEVICE static void qk_decoded(float (&s)[NS], const Q& q, const KVDecoded& kv) {
@@ -298,20 +303,11 @@ struct MmaTiles {
       for (int nt = 0; nt < NT; ++nt) {
         float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&s[(i * NT + nt) * 4]);
 #pragma unroll
-        for (int p = 0; p < KG; ++p) {
-          if constexpr (K8) {
+        for (int p = 0; p < KG; ++p)
 #pragma unroll
-            for (int j = 0; j < KR; ++j) mma_m16n8k8<T>(acc, kv.k[i][0][p][j], kv.k[i][1][p][j], q.r[nt][p][j]);
-          } else {
-#pragma unroll
-            for (int j = 0; j < KR / 2; ++j) {
-              const uint32_t a[4] = {kv.k[i][0][p][2 * j], kv.k[i][1][p][2 * j], kv.k[i][0][p][2 * j + 1],
-                                     kv.k[i][1][p][2 * j + 1]};
-              const uint32_t b[2] = {q.r[nt][p][2 * j], q.r[nt][p][2 * j + 1]};
-              mma_m16n8k16<T>(acc, a, b);
-            }
-          }
-        }
+          for (int j = 0; j < KR / 2; ++j)
+            kstep16(acc, kv.k[i][0][p][2 * j], kv.k[i][1][p][2 * j], kv.k[i][0][p][2 * j + 1], kv.k[i][1][p][2 * j + 1],
+                    q.r[nt][p][2 * j], q.r[nt][p][2 * j + 1]);
       }
   }
 
@@ -372,17 +368,9 @@ struct MmaTiles {
         const u32x2 v0 = fp8x4_to_16bit<T>(kv.v[m][0][i] & kv.vmask[i]);
         const u32x2 v1 = fp8x4_to_16bit<T>(kv.v[m][1][i] & kv.vmask[i]);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]);
-          if constexpr (K8) {
-            mma_m16n8k8<T>(acc, v0.x, v1.x, pb[i][nt][0]);
-            mma_m16n8k8<T>(acc, v0.y, v1.y, pb[i][nt][1]);
-          } else {
-            const uint32_t a[4] = {v0.x, v1.x, v0.y, v1.y};
-            const uint32_t b[2] = {pb[i][nt][0], pb[i][nt][1]};
-            mma_m16n8k16<T>(acc, a, b);
-          }
-        }
+        for (int nt = 0; nt < NT; ++nt)
+          kstep16(*reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]), v0.x, v1.x, v0.y, v1.y, pb[i][nt][0],
+                  pb[i][nt][1]);
       }
   }
   CPA_DEVICE static void pv_decoded(float (&o)[NO], const uint32_t (&pb)[NTILE][NT][2], const KVDecoded& kv) {
@@ -392,16 +380,9 @@ struct MmaTiles {
       for (int nt = 0; nt < NT; ++nt) {
         float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]);
 #pragma unroll
-        for (int i = 0; i < NTILE; ++i) {
-          if constexpr (K8) {
-            mma_m16n8k8<T>(acc, kv.v[m][0][2 * i], kv.v[m][1][2 * i], pb[i][nt][0]);
-            mma_m16n8k8<T>(acc, kv.v[m][0][2 * i + 1], kv.v[m][1][2 * i + 1], pb[i][nt][1]);
-          } else {
-            const uint32_t a[4] = {kv.v[m][0][2 * i], kv.v[m][1][2 * i], kv.v[m][0][2 * i + 1], kv.v[m][1][2 * i + 1]};
-            const uint32_t b[2] = {pb[i][nt][0], pb[i][nt][1]};
-            mma_m16n8k16<T>(acc, a, b);
-          }
-        }
+        for (int i = 0; i < NTILE; ++i)
+          kstep16(acc, kv.v[m][0][2 * i], kv.v[m][1][2 * i], kv.v[m][0][2 * i + 1], kv.v[m][1][2 * i + 1],
+                  pb[i][nt][0], pb[i][nt][1]);
       }
   }
   static constexpr int SMEM_BYTES = 0;
