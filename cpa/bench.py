@@ -392,3 +392,110 @@ def best_fixed_choice(df):
     table = pd.DataFrame(rows).sort_values("geomean_slowdown").reset_index(drop=True)
     full = table[table.shapes == table.shapes.max()]
     return full.iloc[0].to_dict(), table
+
+
+SHAPE_KEYS = ("num_seqs", "max_seq_len", "num_heads", "num_kv_heads", "head_size", "block_size", "dtype",
+              "kv_cache_dtype", "seq_lens_dist")
+
+
+def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None, resident_per_sm=None):
+    """What the shape-chosen default (cpa.variants BY_SHAPE) picks for each measured shape of a
+    bench CSV or sweep table, and how its measured time compares with the shape's best.
+
+    For each shape: the default tiling and the partition size cpa.occupancy.partition_by_wave_model
+    picks (the launcher's rule: cpa.ops.select_variant), with the combine a default call takes
+    where the table has the column (cluster_reduce per cpa.variants.cluster_default; a table
+    without it, as the sweeps, has reduce-launch rows only; no fused reduce, no shared steps). `resident_per_sm(variant) -> int` defaults to the occupancy of
+    the variant's row in the shipped ``data/static/<arch>.csv`` (the compiled registers and
+    shared memory; cpa.occupancy.resident_workgroups). `compute_units` defaults to the arch's
+    device (cpa.hardware). Returns one row per shape: the choice, its time, the best time of
+    any CPA row of the shape and which variant that was, slowdown = choice / best. The
+    candidates are cpa.variants.partition_candidates less the sizes the table did not measure."""
+    import pandas as pd
+
+    from . import hardware as hw
+    from . import occupancy as O
+    from . import variants as V
+
+    model = O.shape_model(arch)
+    if model is None:
+        raise ValueError(f"no wave model for arch {arch!r} (cpa.variants.SHAPE_MODELS)")
+    spec = hw.spec_for(arch)
+    compute_units = compute_units or spec.compute_units
+    platform = V.platform_of_arch(arch)
+    if resident_per_sm is None:
+        static = O.load_static_table(arch)
+        att = static[static.kernel == "attention"].set_index("variant")
+
+        def resident_per_sm(v):
+            return O.resident_workgroups(arch, att.loc[v.name].to_dict(), spec)[0]
+
+    d = df[(df.tiling != "sdpa_cudnn") & df.tiling.isin(V.TILINGS) & df.time_us.notna()].copy()
+    if "verified" in d:
+        d = d[d.verified.fillna(False).astype(bool)]
+    # a table without the column (the sweeps) timed every row with the reduce launch
+    has_cluster = "cluster_reduce" in d
+    for col in ("fused_reduce", "cluster_reduce", "shared_steps"):
+        d[col] = d[col].fillna(False).astype(bool) if col in d else False
+    keys = [k for k in SHAPE_KEYS if k in d]
+    rows = []
+    for key, g in d.groupby(keys):
+        shape = dict(zip(keys, key))
+        S, L, kvh = int(shape["num_seqs"]), int(shape["max_seq_len"]), int(shape["num_kv_heads"])
+        gqa = int(shape["num_heads"]) // kvh
+        tiling, part, _ = V.default_choice(arch, gqa, shape["dtype"], shape["kv_cache_dtype"])
+        if part != V.BY_SHAPE:
+            raise ValueError(f"arch {arch!r}: the default partition size is a fixed {part}, not chosen by shape")
+        axes = dict(tiling=tiling, head_size=int(shape["head_size"]), block_size=int(shape["block_size"]),
+                    dtype=shape["dtype"], kv_cache_dtype=shape["kv_cache_dtype"], gqa_ratio=gqa, platform=platform)
+        cands = V.partition_candidates(max_seq_len=L, **axes)
+        cands = [p for p in cands if (g.partition_size == p).any() and (g.tiling == tiling).any()] or cands
+        per_sm = resident_per_sm(V.variant_for(partition_size=cands[0], **axes))
+        p = O.partition_by_wave_model(model, cands, num_seqs=S, num_heads=int(shape["num_heads"]), num_kv_heads=kvh,
+                                      head_size=int(shape["head_size"]), max_seq_len=L,
+                                      kv_elem_bytes=1 if shape["kv_cache_dtype"] == "fp8" else 2,
+                                      slots=per_sm * compute_units, compute_units=compute_units)
+        mine = g[(g.tiling == tiling) & (g.partition_size == p) & ~g.fused_reduce & ~g.shared_steps]
+        cluster = V.cluster_default(arch, -(-L // p), S, kvh, compute_units) and has_cluster
+        mine = mine[mine.cluster_reduce == cluster]
+        best = g.loc[g.time_us.idxmin()]
+        fz = "+fused" * bool(best.fused_reduce) + "+cluster" * bool(best.cluster_reduce) + \
+            "+shared" * bool(best.shared_steps)
+        t = float(mine.time_us.min()) if len(mine) else float("nan")
+        rows.append(dict(shape, tiling=tiling, partition_size=p, candidates=tuple(cands), resident_per_sm=per_sm,
+                         workgroups=S * kvh * -(-L // p), cluster_reduce=bool(cluster), time_us=t,
+                         best=f"{best.tiling}/{int(best.partition_size)}{fz}", best_time_us=float(best.time_us),
+                         slowdown=t / float(best.time_us)))
+    return pd.DataFrame(rows)
+
+
+def geomean(x) -> float:
+    import numpy as np
+
+    return float(np.exp(np.mean(np.log(np.asarray(x, dtype=float)))))
+
+
+def fixed_choice(df, tiling: str, partition_size: int):
+    """Per shape (the keys of by_shape_choice): the time of one fixed (tiling, partition size)
+    with the reduce launch (no fused reduce, cluster combine or shared steps), the shape's best
+    CPA time, and slowdown = fixed / best. Shapes without that row are left out."""
+    import pandas as pd
+
+    from . import variants as V
+
+    d = df[(df.tiling != "sdpa_cudnn") & df.tiling.isin(V.TILINGS) & df.time_us.notna()].copy()
+    if "verified" in d:
+        d = d[d.verified.fillna(False).astype(bool)]
+    for col in ("fused_reduce", "cluster_reduce", "shared_steps"):
+        d[col] = d[col].fillna(False).astype(bool) if col in d else False
+    keys = [k for k in SHAPE_KEYS if k in d]
+    rows = []
+    for key, g in d.groupby(keys):
+        mine = g[(g.tiling == tiling) & (g.partition_size == partition_size) & ~g.fused_reduce & ~g.cluster_reduce
+                 & ~g.shared_steps]
+        if not len(mine):
+            continue
+        t, best = float(mine.time_us.min()), float(g.time_us.min())
+        rows.append(dict(zip(keys, key), tiling=tiling, partition_size=partition_size, time_us=t, best_time_us=best,
+                         slowdown=t / best))
+    return pd.DataFrame(rows)

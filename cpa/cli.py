@@ -139,6 +139,7 @@ def bench(
     import pandas as pd
 
     from . import bench as B
+    from . import variants as V
 
     try:
         df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
@@ -156,6 +157,15 @@ def bench(
         choice, table = B.best_fixed_choice(df)
         print("\nbest single (tiling, partition, combine) over these shapes (geomean slowdown vs per-shape best):")
         print(table.head(6).round(3).to_string(index=False))
+        arch = str(df.arch.iloc[0]) if "arch" in df and len(df) else ""
+        if arch in V.SHAPE_MODELS:
+            from . import ops
+
+            by_shape = B.by_shape_choice(df, arch, resident_per_sm=lambda v: ops.resident_per_sm(v, "cuda"))
+            print(f"\nthe {arch} default (partition size by shape, cpa.variants.BY_SHAPE): geomean "
+                  f"{B.geomean(by_shape.slowdown):.3f}x the per-shape best, worst {by_shape.slowdown.max():.3f}x")
+            print(by_shape[["num_seqs", "max_seq_len", "tiling", "partition_size", "workgroups", "time_us", "best",
+                            "best_time_us", "slowdown"]].round(3).to_string(index=False))
     print(f"\nwrote {out}")
 
 

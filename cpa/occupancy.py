@@ -501,14 +501,54 @@ class WaveModel:
 
     def predict(self, g) -> "object":
         """Modeled µs for each row of a :func:`grid_table` (adds no columns; returns a Series)."""
+        return self.time_us(workgroups=g.workgroups, waves=g.waves, compute_units=g.compute_units,
+                            partitions=g.partitions, kv_bytes=kv_bytes_of(g),
+                            partials_written=g.partials_bytes_written, partials_read=g.partials_bytes_read)
+
+    def time_us(self, *, workgroups, waves, compute_units, partitions, kv_bytes, partials_written, partials_read):
+        """The model's µs for numbers or arrays / Series of them (the formula of the class)."""
         import numpy as np
 
-        kv = kv_bytes_of(g)
-        fill = np.minimum(g.workgroups / g.waves, g.compute_units) / g.compute_units
-        multi = (g.partitions > 1).astype(float)
-        stream = (kv + g.partials_bytes_written) / (self.bw_bytes_per_s * fill) + g.partials_bytes_read / \
-            self.bw_bytes_per_s
-        return stream * 1e6 + self.t_wave_us * g.waves + multi * self.t_reduce_us + self.t_launch_us
+        fill = np.minimum(workgroups / waves, compute_units) / compute_units
+        multi = (partitions > 1) * 1.0
+        stream = (kv_bytes + partials_written) / (self.bw_bytes_per_s * fill) + partials_read / self.bw_bytes_per_s
+        return stream * 1e6 + self.t_wave_us * waves + multi * self.t_reduce_us + self.t_launch_us
+
+
+def shape_model(arch: str) -> WaveModel | None:
+    """The wave model the device's default partition size is chosen by (cpa.variants.SHAPE_MODELS;
+    None where the arch has none)."""
+    m = V.SHAPE_MODELS.get(arch)
+    if m is None:
+        return None
+    return WaveModel(m["read_gbps"] * 1e9, m["t_wave_us"], m.get("t_reduce_us", 0.0), m.get("t_launch_us", 0.0),
+                     m["source"])
+
+
+def partition_by_wave_model(model: WaveModel, candidates, *, num_seqs: int, num_heads: int, num_kv_heads: int,
+                            head_size: int, max_seq_len: int, kv_elem_bytes: int, slots: int,
+                            compute_units: int) -> int:
+    """The partition size of `candidates` (cpa.variants.partition_candidates) the wave model
+    predicts fastest for one launch: `slots` attention workgroups resident at once on
+    `compute_units` SMs/CUs, every sequence taken as max_seq_len long (the grid is). Ties go
+    to the larger size (fewer partials to combine)."""
+    import math
+
+    if not candidates:
+        raise ValueError("partition_by_wave_model: no candidate partition sizes")
+    if slots < 1 or compute_units < 1:
+        raise ValueError(f"partition_by_wave_model: slots={slots}, compute_units={compute_units}")
+    kv = 2 * num_seqs * max_seq_len * num_kv_heads * head_size * kv_elem_bytes
+    best = None
+    for p in sorted(candidates):
+        parts = math.ceil(max_seq_len / p)
+        wg = num_seqs * num_kv_heads * parts
+        one_way = num_seqs * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
+        t = model.time_us(workgroups=wg, waves=math.ceil(wg / slots), compute_units=compute_units, partitions=parts,
+                          kv_bytes=kv, partials_written=one_way, partials_read=one_way)
+        if best is None or t <= best[0] * (1 + 1e-9):
+            best = (t, p)
+    return best[1]
 
 
 def kv_bytes_of(g, elem: int = 2):

@@ -16,15 +16,77 @@ FP8_DECODE_FACTOR = 256.0  # the kernel decodes e4m3 bytes to value / 256 (platf
 
 
 def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_size: int | None,
-                   platform: str, arch: str) -> V.Variant:
-    """The variant for a validated call; None picks the per-device default of cpa.variants."""
+                   platform: str, arch: str, resident_per_sm=None, compute_units: int | None = None,
+                   allowed=None) -> V.Variant:
+    """The variant for a validated call; None picks the per-device default of cpa.variants.
+
+    Where that default's partition size is V.BY_SHAPE, it is the size the device's wave model
+    (cpa.occupancy.partition_by_wave_model) predicts fastest for this shape, among
+    V.partition_candidates that `allowed(variant)` accepts (None: all).
+    `resident_per_sm(variant)` says how many workgroups of a variant one SM holds (ops builds
+    it and asks the runtime); it is asked once, for the size a guess of RESIDENT_GUESS picks,
+    and the choice is made again with its answer. `compute_units`: the device's SMs."""
     if tiling is None or partition_size is None:
         d_tiling, d_partition, _ = V.default_choice(arch, shape.gqa_ratio, shape.query_dtype, shape.kv_cache_dtype)
         tiling = tiling or d_tiling
         partition_size = partition_size or d_partition
-    return V.variant_for(tiling=tiling, partition_size=partition_size, head_size=shape.head_size,
-                         block_size=shape.block_size, dtype=shape.query_dtype, kv_cache_dtype=shape.kv_cache_dtype,
-                         gqa_ratio=shape.gqa_ratio, platform=platform)
+
+    def variant_at(p: int) -> V.Variant:
+        return V.variant_for(tiling=tiling, partition_size=p, head_size=shape.head_size,
+                             block_size=shape.block_size, dtype=shape.query_dtype, kv_cache_dtype=shape.kv_cache_dtype,
+                             gqa_ratio=shape.gqa_ratio, platform=platform)
+
+    if partition_size == V.BY_SHAPE:
+        partition_size = _by_shape(shape, variant_at, tiling=tiling, platform=platform, arch=arch,
+                                   resident_per_sm=resident_per_sm, compute_units=compute_units, allowed=allowed)
+    return variant_at(partition_size)
+
+
+RESIDENT_GUESS = 2  # workgroups per SM of the 16-bit head-128 variants on the H200 (data/static/sm_90.csv)
+
+
+def _by_shape(shape: PagedAttentionShape, variant_at, *, tiling, platform, arch, resident_per_sm, compute_units,
+              allowed) -> int:
+    from . import occupancy as O
+
+    model = O.shape_model(arch)
+    if model is None:
+        raise ValueError(f"no wave model for arch {arch!r} (cpa.variants.SHAPE_MODELS): give a partition_size")
+    if shape.max_seq_len is None:
+        raise ValueError("partition_size=None chooses the partition size by the launch's shape on this device: "
+                         "give max_seq_len (or check_values=True), or a partition_size")
+    if resident_per_sm is None or compute_units is None:
+        raise ValueError("a shape-chosen partition size needs resident_per_sm and compute_units")
+    cands = V.partition_candidates(tiling=tiling, head_size=shape.head_size, block_size=shape.block_size,
+                                   dtype=shape.query_dtype, kv_cache_dtype=shape.kv_cache_dtype,
+                                   gqa_ratio=shape.gqa_ratio, platform=platform, max_seq_len=shape.max_seq_len)
+    if allowed is not None:
+        # e.g. shared steps need longer partitions than a short context's candidates: then the
+        # shortest size they accept
+        ok = [p for p in cands if allowed(variant_at(p))]
+        cands = ok or [p for p in V.PARTITION_SIZES if _builds(variant_at, p) and allowed(variant_at(p))][:1]
+    if not cands:
+        raise ValueError(f"no partition size of {V.PARTITION_SIZES} fits this launch with tiling {tiling!r}")
+    kv_elem = 1 if shape.kv_cache_dtype == "fp8" else 2
+
+    def choose(per_sm: int) -> int:
+        return O.partition_by_wave_model(model, cands, num_seqs=shape.num_seqs, num_heads=shape.num_heads,
+                                         num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
+                                         max_seq_len=shape.max_seq_len, kv_elem_bytes=kv_elem,
+                                         slots=max(per_sm, 1) * compute_units, compute_units=compute_units)
+
+    per_sm = int(resident_per_sm(variant_at(choose(RESIDENT_GUESS))))
+    if per_sm < 1:
+        raise ValueError(f"no workgroup of {variant_at(choose(RESIDENT_GUESS)).name} fits an SM of this device")
+    return choose(per_sm)
+
+
+def _builds(variant_at, p: int) -> bool:
+    try:
+        variant_at(p)
+        return True
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -87,9 +149,13 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
         partition_size=partition_size, out=out, check_values=check_values, max_seq_len=max_seq_len, head_sizes=V.HEAD_SIZES,
         block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16))
     platform, arch = device_arch(query.device)
-    variant = select_variant(shape, tiling=tiling, partition_size=partition_size, platform=platform, arch=arch)
     if shape.max_seq_len is None:
         raise ValueError("max_seq_len must be given when check_values=False")
+    kv_async = staged_loops_flagged()
+    allowed = (lambda v: V.shared_steps_unsupported(v, kv_async=kv_async) is None) if shared_steps else None
+    variant = select_variant(shape, tiling=tiling, partition_size=partition_size, platform=platform, arch=arch,
+                             resident_per_sm=lambda v: resident_per_sm(v, query.device),
+                             compute_units=_num_sms(query.device), allowed=allowed)
     num_partitions = -(-shape.max_seq_len // variant.partition_size)
     if num_partitions > 65535:
         raise ValueError(f"max_seq_len={shape.max_seq_len} needs {num_partitions} partitions of "
@@ -100,7 +166,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
     if shared_steps:
-        why = V.shared_steps_unsupported(variant, kv_async=staged_loops_flagged())
+        why = V.shared_steps_unsupported(variant, kv_async=kv_async)
         why = why or ("return_intermediates=True compares partials of fixed token ranges, which shared steps do "
                       "not keep" if return_intermediates else None)
         why = why or ("fused_reduce=True is not combined with shared steps" if fused_reduce else None)
@@ -153,6 +219,21 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_resident: dict[tuple, int] = {}
+
+
+def resident_per_sm(variant: V.Variant, device) -> int:
+    """Attention workgroups of `variant` one SM/CU of `device` holds at once (the runtime's
+    occupancy query on the built kernel). Every partition size of a variant has the same
+    registers and shared memory to within a few registers (data/static/sm_90.csv), so the
+    answer is kept per variant without its partition size, per device and compiler flags."""
+    key = (variant.name.replace(f"-p{variant.partition_size}-", "-p*-"), str(torch.device(device)),
+           tuple(extra_flags()))
+    if key not in _resident:
+        _resident[key] = int(build(variant, device).attributes()["attention"]["blocks_per_sm"])
+    return _resident[key]
+
+
 def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAttentionShape, *, fused: bool,
                   return_intermediates: bool, query_device) -> int:
     """The cluster size of the launch (0: no cluster combine); raises when cluster_reduce=True
@@ -187,7 +268,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     query [num_seqs, num_heads, head_size] fp16/bf16; key_cache [num_blocks, num_kv_heads,
     head_size // x, block_size, x]; value_cache [num_blocks, num_kv_heads, head_size,
     block_size]; block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens [num_seqs]
-    int32. `partition_size` / `tiling` None pick the device default (cpa.variants.DEFAULTS).
+    int32. `partition_size` / `tiling` None pick the device default (cpa.variants.DEFAULTS; on
+    sm_90 the partition size is chosen for the launch's shape, see `select_variant`; the launch
+    uses `cpa.ops.prepare(...).shape.partition_size`).
     Launches the attention kernel and, when a sequence spans several partitions, the reduce
     kernel, on the current stream. fused_reduce / cluster_reduce / shared_steps: see
     `prepare`. With return_intermediates, also returns exp_sums,

@@ -316,6 +316,27 @@ def single_choice_bars(table, *, title: str):
     return fig
 
 
+def default_vs_fixed(by_shape, fixed, *, title: str):
+    """Per shape: the slowdown against the shape's best of the shape-chosen default
+    (cpa.bench.by_shape_choice; its partition size on the bar) and of one fixed choice
+    (cpa.bench.fixed_choice)."""
+    import pandas as pd
+    import plotly.express as px
+
+    label = lambda d: d.num_seqs.astype(int).astype(str) + " x " + d.max_seq_len.astype(int).astype(str)  # noqa: E731
+    a = by_shape.assign(shape=label(by_shape), choice="partition size by shape (the sm_90 default)",
+                        text=by_shape.partition_size.astype(int).astype(str))
+    f = fixed.iloc[0] if len(fixed) else None
+    b = fixed.assign(shape=label(fixed), choice=f"fixed {f.tiling} / {int(f.partition_size)}" if f is not None else "",
+                     text="")
+    d = pd.concat([a, b], ignore_index=True)[["shape", "choice", "slowdown", "text"]]
+    fig = px.bar(d, x="shape", y="slowdown", color="choice", barmode="group", text="text",
+                 labels={"shape": "batch x context", "slowdown": "time / per-shape best"})
+    fig.update_yaxes(range=[0.95, float(d.slowdown.max()) * 1.03])
+    fig.update_layout(height=440, title=title, legend=dict(orientation="h", y=-0.25))
+    return fig
+
+
 # ------------------------------------------------------------------------ hardware counters
 _METRIC_LABEL = {
     "duration_ns": "kernel duration (ns)", "achieved_occupancy": "achieved occupancy (of warp slots)",

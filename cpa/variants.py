@@ -305,29 +305,44 @@ def shared_steps_unsupported(variant: Variant, *, kv_async: bool = False) -> str
 # ---------------------------------------------------------------- per-device defaults
 # One table: arch -> rules (max GQA ratio, tiling, partition size, where the choice comes from,
 # and optionally the (query dtype, KV cache dtype) the rule is for); the first rule that fits wins.
+# A partition size of BY_SHAPE means: chosen per launch, for its shape, by the device's wave model
+# (SHAPE_MODELS; cpa.occupancy.partition_by_wave_model).
 # gfx942 / gfx90a follow upstream's ROCm design (vLLM csrc/rocm/attention.cu: 256 tokens per
 # partition; 4x4x4 MFMA for GQA 1-4, 16x16x16 for larger groups); it is compiled here, not
-# measured. sm_90 is what cpa's own H200 bench and sweep measured (data/bench, data/sweeps).
+# measured. sm_90 is what cpa's own H200 bench and sweeps measured (data/bench, data/sweeps).
 # (sm_90 had a bf16 + fp8 rule, mfma4, from 4887c51 until bf16 queries with an fp8 cache ran
-# fp16 tiles, CPA_FP8_F16_MMA: since then mfma16 and mfma4 tie there as with fp16 queries.)
+# fp16 tiles, CPA_FP8_F16_MMA: since then mfma16 and mfma4 tie there as with fp16 queries.
+# Its partition size was one fixed 512, the best single choice of the bench at 90fd147 (1.153x the
+# per-shape best, geometric mean), until the shape rule replaced it on 2026-12-05.)
+BY_SHAPE = "by_shape"
 DEFAULTS: dict[str, list[tuple]] = {
     "gfx942": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
     "gfx90a": [(4, "mfma4", 256, "upstream ROCm design"), (16, "mfma16", 256, "upstream ROCm design")],
-    "sm_90": [(16, "mfma16", 512, "measured on an H200, 2026-12-04: the best single choice of cpa bench "
-                                  "(data/bench/h200-kernel.csv, commit 90fd147; 16 Llama-70B decode shapes, "
-                                  "partitions 64-8192, reduce launch / fused / cluster combine: 1.153x the "
-                                  "per-shape best, geometric mean; mfma4/512 1.156x, mfma16/1024 with the cluster "
-                                  "combine 1.163x, mfma16/1024 1.169x) and tied "
-                                  "with the best of cpa sweep llama70b-decode (data/sweeps/h200-llama70b-decode"
-                                  ".parquet, commit b59554a; 56 shapes: 1.069x, mfma16/1024 1.068x) while its "
-                                  "worst shape is 1.60x against 2.18x; cpa.bench.best_fixed_choice")],
+    "sm_90": [(16, "mfma16", BY_SHAPE,
+               "measured on an H200: mfma16 and mfma4 tie (data/bench/h200-kernel.csv); the partition size "
+               "is chosen per launch by the wave model fitted to the H200 sweep (SHAPE_MODELS): over the "
+               "bench's 16 shapes 1.013x the per-shape best (geometric mean; worst 1.09x) against 1.147x "
+               "(worst 2.01x) for the best fixed size (512), over the 56 shapes of "
+               "data/sweeps/h200-llama70b-decode.parquet 1.004x (worst 1.12x) against 1.096x (1.66x); "
+               "cpa.bench.by_shape_choice")],
+}
+# The wave model of cpa.occupancy (t = t_wave x waves + bytes / (read bandwidth x busy SMs) + ...)
+# with the constants notebook 02 fits to the measured mfma16 rows of the H200 llama70b-decode sweep
+# (non-negative least squares; t_reduce and t_launch fit to 0). The choice it makes is insensitive
+# to t_wave: 0.8 to 3 us pick the same partition sizes over every shipped shape.
+SHAPE_MODELS: dict[str, dict] = {
+    "sm_90": dict(t_wave_us=1.69, read_gbps=4517.0,
+                  source="fitted to data/sweeps/h200-llama70b-decode.parquet (mfma16, 56 shapes x 8 partition "
+                         "sizes; read ceiling of that sweep) by notebooks/02_occupancy.py"),
 }
 FALLBACK_DEFAULT = (16, "mfma16", 256, "no entry for this arch: mfma16 / 256")
 
 
-def default_choice(arch: str, gqa_ratio: int, dtype=None, kv_cache_dtype: str | None = None) -> tuple[str, int, str]:
+def default_choice(arch: str, gqa_ratio: int, dtype=None, kv_cache_dtype: str | None = None) -> tuple[str, int | str, str]:
     """(tiling, partition_size, source) for a device arch and GQA ratio (and, where a rule asks
-    for them, the query dtype and the KV cache dtype; left out, the 16-bit rules apply)."""
+    for them, the query dtype and the KV cache dtype; left out, the 16-bit rules apply).
+    partition_size is BY_SHAPE where the device picks it per launch (partition_candidates and
+    cpa.occupancy.partition_by_wave_model)."""
     rules = DEFAULTS.get(arch, [FALLBACK_DEFAULT])
     want = (dtype_name(dtype) if dtype is not None else None, kv_name(kv_cache_dtype) if kv_cache_dtype else None)
     for max_gqa, tiling, partition_size, source, *only in rules:
@@ -336,3 +351,25 @@ def default_choice(arch: str, gqa_ratio: int, dtype=None, kv_cache_dtype: str | 
         if gqa_ratio <= max_gqa:
             return tiling, partition_size, source
     raise ValueError(f"GQA ratio {gqa_ratio} exceeds every default rule for arch {arch!r}")
+
+
+def partition_candidates(*, tiling: str, head_size: int, block_size: int, dtype, kv_cache_dtype: str, gqa_ratio: int,
+                         platform: str, max_seq_len: int, num_waves: int = NUM_WAVES) -> list[int]:
+    """The partition sizes a shape-chosen default picks from: every size the variant builds
+    with, at least one step for each wave of the workgroup (a shorter partition leaves waves
+    idle: on the H200, mfma16 at 64 tokens took 1.04-1.62x the time of 128 at every shape of the
+    llama70b-decode sweep, and 0.99-1.64x over the bench's, the 0.99 at 1 x 512), and at
+    most the smallest one that covers `max_seq_len` (larger ones launch the same single
+    partition). Empty only if the variant builds with no partition size at all."""
+    sizes = []
+    for p in PARTITION_SIZES:
+        try:
+            v = variant_for(tiling=tiling, partition_size=p, head_size=head_size, block_size=block_size, dtype=dtype,
+                            kv_cache_dtype=kv_cache_dtype, gqa_ratio=gqa_ratio, platform=platform)
+        except ValueError:
+            continue
+        sizes.append(v.partition_size)
+    floor = [p for p in sizes if p >= num_waves * TILING_INFO[(tiling, platform)].tokens_per_step]
+    sizes = floor or sizes[-1:]
+    covering = [p for p in sizes if p >= max_seq_len]
+    return [p for p in sizes if p < max_seq_len] + covering[:1]

@@ -152,8 +152,8 @@ best = pd.DataFrame([dict(scenario=sc, best=int(g.partition_size.iloc[0]), slowd
 display(best.sort_values("scenario").reset_index(drop=True))
 
 # %% [markdown]
-# Read it as: the H200 (132 SMs, 264 slots) is best served by one fixed 512, measured and
-# modeled. MI300X has 304 CUs, so the same decode shapes fill it with smaller partitions: with
+# Read it as: if one partition size must serve every shape, the H200 (132 SMs, 264 slots) is
+# best served by 512, measured and modeled. MI300X has 304 CUs, so the same decode shapes fill it with smaller partitions: with
 # 608 slots the model picks 256 — upstream's choice — whether its fixed costs are half or twice
 # the H200's; with the 912 slots of the default build it picks 256 at the H200's fixed costs or
 # more, and 128 and 256 are within a fraction of a percent of each other at half of them (the
@@ -162,6 +162,50 @@ display(best.sort_values("scenario").reset_index(drop=True))
 # reduce and launch costs fit to zero once the bandwidth term counts busy compute units). All of
 # it is a model on compiled resources, not a measurement; an MI300 run of `cpa sweep --grid
 # llama70b-decode`, with and without `-DCPA_MIN_BLOCKS=1`, would settle it.
+
+# %% [markdown]
+# ## One size per device, or one per shape
+# A fixed size is what upstream ships; nothing in the kernel needs it. The model above
+# predicts each (shape, partition size) cell, so the launcher can take, for each launch, the
+# size the model predicts fastest: that is the sm_90 default (`partition_size=None`:
+# `cpa.variants.BY_SHAPE`, `cpa.occupancy.partition_by_wave_model`), among the sizes that give
+# each of the workgroup's 4 waves at least one step (128 and up) and with the slots the CUDA
+# runtime reports for the built kernel. In effect it takes the largest partition whose grid
+# keeps every SM busy in the fewest waves. Against the H200 sweep's **measured** per-shape
+# best (any tiling, any size), shape by shape:
+
+# %%
+from cpa import bench as B
+
+by_shape = B.by_shape_choice(sweep.df)
+fixed = B.fixed_choice(sweep.df, "mfma16", 512)
+print(f"partition size by shape: {B.geomean(by_shape.slowdown):.3f}x the per-shape best (geometric mean), "
+      f"worst {by_shape.slowdown.max():.2f}x; fixed mfma16 / 512: {B.geomean(fixed.slowdown):.3f}x, "
+      f"worst {fixed.slowdown.max():.2f}x ({len(by_shape)} shapes, measured on the H200)")
+P.show(P.default_vs_fixed(by_shape, fixed, title="H200 (measured): the shape-chosen partition size against a "
+                                                 "fixed 512, time / per-shape best"))
+
+# %% [markdown]
+# On MI300X the same rule is only a model (no MI300 has run this code), so gfx942 keeps
+# upstream's fixed 256. What the model says a per-shape choice would be worth there, with the
+# compiled slots of the default build and the H200's fixed costs (**modeled**):
+
+# %%
+g942 = O.grid_table("gfx942", SWEEP_SHAPES, tilings=["mfma16"], partition_sizes=SWEEP_P)
+mi300 = dataclasses.replace(model, bw_bytes_per_s=hw.MI300X.hbm_bandwidth_bytes_per_s * frac,
+                            source="MI300X, the H200's fixed costs")
+g942 = g942.assign(model_us=mi300.predict(g942))
+per_shape = g942[g942.partition_size >= 128].groupby(["num_seqs", "max_seq_len"]).model_us.min()
+at256 = g942[g942.partition_size == 256].set_index(["num_seqs", "max_seq_len"]).model_us
+gain = B.geomean(at256 / per_shape)
+picks = g942[g942.partition_size >= 128].loc[lambda d: d.groupby(["num_seqs", "max_seq_len"]).model_us.idxmin()]
+print(f"MI300X, modeled: fixed 256 is {gain:.3f}x the model's per-shape choice (geometric mean over "
+      f"{len(per_shape)} shapes); the per-shape sizes range over {sorted(int(p) for p in picks.partition_size.unique())}")
+
+# %% [markdown]
+# The H200 numbers are measured rows, read through the rule; the MI300X line is a model on
+# compiled resources. The next H200 session times the default itself in `cpa bench` (its
+# closing table).
 
 # %% [markdown]
 # ## Explore the compiled tables

@@ -46,3 +46,26 @@ def test_static_refuses_an_unknown_arch_before_compiling(tmp_path):
     text = " ".join(res.output.replace("│", " ").split())  # the error box wraps lines
     assert res.exit_code == 2 and "gfx942, gfx90a, sm_90" in text, res.output
     assert not out.exists()
+
+
+def test_bench_prints_the_shape_chosen_default(monkeypatch, tmp_path):
+    """`cpa bench`'s closing tables, over the shipped H200 CSV (the GPU run itself replaced):
+    the best fixed choices and what the sm_90 default picks per shape, with the device's
+    occupancy query answered as the shipped static table does (2 per SM)."""
+    import pandas as pd
+
+    from cpa import bench as B
+    from cpa import ops
+
+    shipped = pd.read_csv(Path(__file__).resolve().parents[1] / "data" / "bench" / "h200-kernel.csv")
+    monkeypatch.setattr(B, "run", lambda **kw: (shipped, {}))
+    asked = []
+    monkeypatch.setattr(ops, "resident_per_sm", lambda v, device: asked.append(v) or 2)
+    res = CliRunner().invoke(app, ["bench", "--out", str(tmp_path / "b.csv")])
+    assert res.exit_code == 0, res.output
+    assert "best single (tiling, partition, combine)" in res.output
+    want = B.geomean(B.by_shape_choice(shipped).slowdown)
+    assert f"the sm_90 default (partition size by shape, cpa.variants.BY_SHAPE): geomean {want:.3f}x" in res.output
+    assert asked and all(v.tiling == "mfma16" for v in asked)
+    line = [ln.split() for ln in res.output.splitlines() if ln.split()[:2] == ["8", "32768"] and "mfma16" in ln]
+    assert line and line[-1][3] == "8192"  # 8 x 32k: 256 workgroups of 8192 tokens, one wave

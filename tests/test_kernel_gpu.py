@@ -146,16 +146,35 @@ def test_single_partition_skips_reduce():
 
 
 def test_default_variant_and_128k_context():
-    """Defaults from cpa.variants; a 128k-token context at the smallest partition size."""
+    """Defaults from cpa.variants; a 128k-token context at the smallest partition size. Where
+    the device's default partition size is chosen by shape, the launch has the size the wave
+    model picks with the built kernel's own occupancy (the runtime's query)."""
     import cpa
-    from cpa import reference
+    from cpa import occupancy as O
+    from cpa import ops, reference
     from cpa.inputs import make_paged_inputs
+    from cpa.jit import device_arch
 
     inp = make_paged_inputs(1, 8, 1, 128, 16, [131072], dtype=torch.bfloat16, device="cuda", seed=5)
     ref = reference.paged_attention(**inp.as_kwargs())
     for kw in ({}, {"partition_size": 64, "tiling": "mfma16"}):
         out = cpa.paged_attention(**inp.as_kwargs(), **kw)
         assert reference.relative_error(out, ref) <= reference.REL_ERR_TOL[torch.bfloat16]
+    platform, arch = device_arch()
+    tiling, partition, _ = V.default_choice(arch, 8, "bf16", "auto")
+    launch = ops.prepare(**inp.as_kwargs())
+    assert launch.kernel.variant.tiling == tiling
+    if partition != V.BY_SHAPE:
+        assert launch.shape.partition_size == partition
+        return
+    axes = dict(tiling=tiling, head_size=128, block_size=16, dtype="bf16", kv_cache_dtype="auto", gqa_ratio=8,
+                platform=platform)
+    per_sm = launch.kernel.attributes()["attention"]["blocks_per_sm"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = O.partition_by_wave_model(O.shape_model(arch), V.partition_candidates(max_seq_len=131072, **axes),
+                                     num_seqs=1, num_heads=8, num_kv_heads=1, head_size=128, max_seq_len=131072,
+                                     kv_elem_bytes=2, slots=per_sm * sms, compute_units=sms)
+    assert launch.shape.partition_size == want and ops.resident_per_sm(launch.kernel.variant, "cuda") == per_sm >= 1
 
 
 @pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=16384), dict(partition_size=96),

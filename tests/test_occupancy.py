@@ -432,6 +432,14 @@ def test_wave_model_on_the_shipped_sweep():
     model, fitted = O.fit_wave_model(g, A.cpa_rows(sweep.df), sweep.ceilings()["read_gbps"] * 1e9, "H200")
     assert (fitted.model_us > 0).all() and min(model.t_wave_us, model.t_reduce_us, model.t_launch_us) >= 0
     assert 0.85 < (fitted.model_us / fitted.time_us).median() < 1.15
+    # the constants the sm_90 default's partition choice runs on are this fit
+    shipped = V.SHAPE_MODELS["sm_90"]
+    assert shipped["t_wave_us"] == pytest.approx(model.t_wave_us, rel=0.01)
+    assert shipped["read_gbps"] == pytest.approx(model.bw_bytes_per_s / 1e9, rel=1e-3)
+    assert model.t_reduce_us == model.t_launch_us == 0.0 and "t_reduce_us" not in shipped
+    assert O.shape_model("sm_90").predict(fitted).round(6).equals(
+        dataclasses.replace(model, t_wave_us=shipped["t_wave_us"], bw_bytes_per_s=shipped["read_gbps"] * 1e9)
+        .predict(fitted).round(6))
     measured = O.single_choice(fitted, "time_us").partition_size.iloc[0]
     assert O.single_choice(fitted, "model_us").partition_size.iloc[0] == measured == 512
     frac = model.bw_bytes_per_s / hw.H200.hbm_bandwidth_bytes_per_s

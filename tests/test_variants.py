@@ -58,12 +58,43 @@ def test_defaults_table():
     assert V.default_choice("gfx942", 8)[:2] == ("mfma16", 256)
     assert V.default_choice("gfx942", 2)[:2] == ("mfma4", 256)
     tiling, p, src = V.default_choice("sm_90", 8)
-    assert tiling in V.TILINGS and p in V.PARTITION_SIZES and src
+    assert tiling in V.TILINGS and p == V.BY_SHAPE and "measured" in src
+    assert "sm_90" in V.SHAPE_MODELS  # a BY_SHAPE rule needs the device's model
     assert V.default_choice("sm_75", 8)[:2] == ("mfma16", 256)  # fallback rule
     # sm_90: one choice for every query / KV cache dtype pair (measured: they tie)
     for dt, kv in (("bf16", "fp8"), ("bf16", "auto"), ("fp16", "fp8"), ("fp16", "auto"), (None, None)):
         assert V.default_choice("sm_90", 8, dt, kv)[:2] == (tiling, p)
     assert V.default_choice("gfx942", 8, "bf16", "fp8")[:2] == ("mfma16", 256)
+    # every arch with a shape rule has a model; no AMD arch has one (nothing measured there)
+    for arch, rules in V.DEFAULTS.items():
+        if any(r[2] == V.BY_SHAPE for r in rules):
+            assert arch in V.SHAPE_MODELS
+    assert not any(a.startswith("gfx") for a in V.SHAPE_MODELS)
+
+
+CANDIDATE_AXES = dict(head_size=128, block_size=16, dtype="fp16", kv_cache_dtype="auto", gqa_ratio=8)
+
+
+@pytest.mark.parametrize("platform,tiling,max_seq_len,want", [
+    # NVIDIA: 32 tokens per wave step, 4 waves: at least 128; at most the first size covering the context
+    ("cuda", "mfma16", 100_000, [128, 256, 512, 1024, 2048, 4096, 8192]),
+    ("cuda", "mfma16", 1000, [128, 256, 512, 1024]),
+    ("cuda", "mfma16", 1024, [128, 256, 512, 1024]),
+    ("cuda", "mfma16", 1025, [128, 256, 512, 1024, 2048]),
+    ("cuda", "mfma16", 1, [128]),
+    # AMD mfma4 / scalar take 64 tokens per wave step: at least 256
+    ("hip", "mfma4", 4096, [256, 512, 1024, 2048, 4096]),
+    ("hip", "mfma16", 300, [128, 256, 512]),
+])
+def test_partition_candidates(platform, tiling, max_seq_len, want):
+    axes = dict(CANDIDATE_AXES, gqa_ratio=4 if tiling == "mfma4" else 8)
+    assert V.partition_candidates(tiling=tiling, platform=platform, max_seq_len=max_seq_len, **axes) == want
+
+
+def test_partition_candidates_respect_block_size():
+    got = V.partition_candidates(tiling="mfma16", platform="cuda", max_seq_len=64, num_waves=1,
+                                 **dict(CANDIDATE_AXES, block_size=32))
+    assert got == [64]  # 32 (one step) is not a partition size the library builds; 64 is
 
 
 def test_defaults_rule_for_a_dtype_pair(monkeypatch):
