@@ -427,3 +427,37 @@ def test_sm90_cluster_combine_in_every_attention_kernel(tmp_path):
     entries = static.split_ptx_entries((tmp_path / "tu.ptx").read_text())
     reduces = [body for k, body in entries.items() if "reduce" in k]
     assert reduces and not any("cluster" in op for body in reduces for op in body)
+
+
+def test_reduce_few_wide_knob(tmp_path):
+    """-DCPA_REDUCE_FEW_WIDE=1 (an A/B knob, off by default): the few-partitions reduce at 128
+    threads and at most 64 registers without spills (it then fits beside two head-128 attention
+    workgroups, 55296 of an H200 SM's 65536 registers, as the block-wide reduce does), one
+    round of up to 8 partials (8 row loads in its PTX), and it still compiles for gfx942."""
+    if not _have("nvcc"):
+        pytest.skip("nvcc not on PATH")
+    from cpa import static
+
+    v = V.variant_for(tiling="mfma16", partition_size=4096, head_size=128, block_size=16, dtype="fp16",
+                      kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
+    key = static.reduce_symbol_key(v, "reduce_few")
+    found = {}
+    for arm, flags in (("default", []), ("wide", ["-DCPA_REDUCE_FEW_WIDE=1"])):
+        work = tmp_path / arm
+        work.mkdir()
+        res, _ = static._compile_nv([v], "sm_90", work, flags=flags)
+        text = (work / "tu.ptx").read_text()
+        ptx = static.split_ptx_entries(text)
+        fn = next(f for f in res if key in f)
+        entry = text[text.index(".entry " + next(f for f in ptx if key in f)):]
+        threads = int(re.search(r"\.maxntid (\d+)", entry).group(1))
+        found[arm] = (res[fn], ptx[next(f for f in ptx if key in f)], threads)
+    wide, wide_ptx, wide_threads = found["wide"]
+    assert wide["registers"] <= 64 and wide["spill_stores"] + wide["spill_loads"] == 0, wide
+    assert (wide_threads, found["default"][2]) == (128, 256)
+    rows = lambda body: sum(1 for m in body if m.startswith("ld.global.nc.v4"))  # noqa: E731
+    assert rows(wide_ptx) >= 8 > rows(found["default"][1])
+    if _have("clang++-19") or _have("clang++"):
+        rem, _ = static._compile_amd([V.Variant(**{**v.as_dict(), "platform": "hip", "heads_cap": 16})], "gfx942",
+                                     tmp_path, flags=["-DCPA_REDUCE_FEW_WIDE=1"])
+        assert any(key in f for f in rem)

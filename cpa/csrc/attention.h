@@ -978,11 +978,21 @@ struct ReduceConfig {
 // always faster up to 4 partials; up to 16 at 2048+ heads (num_seqs x num_heads); slower
 // at 512 heads with 8-16. CPA_REDUCE_FEW_MIN_HEADS sits between the two measured counts.
 // -DCPA_REDUCE_FEW_MAX=0 compiles the choice out (block-wide kernel always).
+// -DCPA_REDUCE_FEW_WIDE=1 (an experiment, off by default; compiled only): 128 threads (4 heads at
+// head 128, 64 registers: like the block-wide kernel, one fits beside two attention workgroups,
+// so under PDL the whole grid of a batch <= 8 decode is resident before the attention ends),
+// each thread issuing the loads of up to 8 partials at once, and the few kernel for every count
+// up to CPA_REDUCE_FEW_MAX. Why: with 5-16 partitions the block-wide kernel adds 3.4 us after the
+// attention at batch 8 (512 workgroups, a quarter resident early) against 1.4 us for the few
+// kernel at <= 4 (64 workgroups), and 4 x 32k / 2 x 32k take 8 / 16 partitions at their best size.
+#ifndef CPA_REDUCE_FEW_WIDE
+#define CPA_REDUCE_FEW_WIDE 0
+#endif
 #ifndef CPA_REDUCE_FEW_MAX
 #define CPA_REDUCE_FEW_MAX 16
 #endif
 #ifndef CPA_REDUCE_FEW_ALWAYS
-#define CPA_REDUCE_FEW_ALWAYS 4
+#define CPA_REDUCE_FEW_ALWAYS (CPA_REDUCE_FEW_WIDE ? CPA_REDUCE_FEW_MAX : 4)
 #endif
 #ifndef CPA_REDUCE_FEW_MIN_HEADS
 #define CPA_REDUCE_FEW_MIN_HEADS 1024
@@ -995,9 +1005,10 @@ inline bool use_reduce_few(int max_num_partitions, int num_seqs, int num_heads) 
          (long long)num_seqs * num_heads >= (long long)CPA_REDUCE_FEW_MIN_HEADS;
 }
 
+constexpr int kReduceFewThreads = CPA_REDUCE_FEW_WIDE ? 128 : 256;
 template <class T, int HEAD>
 struct ReduceFewConfig {
-  static constexpr int THREADS = 256;
+  static constexpr int THREADS = kReduceFewThreads;
   static constexpr int GROUP = HEAD / 4;              // threads per head: one float4 column each
   static constexpr int HEADS = THREADS / GROUP;       // heads per workgroup
   static_assert(THREADS % GROUP == 0, "head size / 4 must divide the reduce workgroup");
@@ -1005,7 +1016,7 @@ struct ReduceFewConfig {
 
 // grid (ceil(num_heads / HEADS), num_seqs)
 template <class T, int HEAD>
-__global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const ReduceParams p) {
+__global__ void __launch_bounds__(kReduceFewThreads) paged_attention_reduce_few_kernel(const ReduceParams p) {
   using RC = ReduceFewConfig<T, HEAD>;
   const int tid = thread_idx();
   const int head = block_idx_x() * RC::HEADS + tid / RC::GROUP, col = tid % RC::GROUP, seq = block_idx_y();
@@ -1014,6 +1025,39 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const R
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   wait_prior_grid();  // the partials below are the attention kernel's
   float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#if CPA_REDUCE_FEW_WIDE
+  constexpr int R = 8;  // partials per round of loads
+  for (int i0 = 0; i0 < np; i0 += R) {
+    float ml[R], es[R];
+    u32x4 v[R];
+    // Past np: the last partial again, weight 0 -- no branch around the loads, as in the
+    // block-wide kernel. (Predicated loads at constant offsets instead let ptxas stream the
+    // rows through 4 registers, one dependent L2 round trip per partial: 36 registers, 8
+    // rounds. Clamped, it issues the scalars and one row, then the other rows after the
+    // first exponentials: 64 registers, 2 rounds, as the block-wide kernel.)
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const int i = i0 + k < np ? i0 + k : np - 1;
+      ml[k] = p.max_logits[base + i];
+      const float e = p.exp_sums[base + i];
+      es[k] = i0 + k < np ? e : 0.f;
+      v[k] = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
+    }
+    float mn = m;
+#pragma unroll
+    for (int k = 0; k < R; ++k) mn = fmaxf_(mn, ml[k]);  // finite: partial i0 < np is real
+    const float c = exp2f_fast((m - mn) * kLog2e);      // 0 in the first round (m = -inf)
+    wsum *= c; a0 *= c; a1 *= c; a2 *= c; a3 *= c;
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      const float w = es[k] * exp2f_fast((ml[k] - mn) * kLog2e);
+      wsum += w;
+      a0 += w * __uint_as_float(v[k].x); a1 += w * __uint_as_float(v[k].y);
+      a2 += w * __uint_as_float(v[k].z); a3 += w * __uint_as_float(v[k].w);
+    }
+    m = mn;
+  }
+#else
 #pragma unroll 4
   for (int i = 0; i < np; ++i) {
     const float mi = p.max_logits[base + i], ei = p.exp_sums[base + i];
@@ -1025,6 +1069,7 @@ __global__ void __launch_bounds__(256) paged_attention_reduce_few_kernel(const R
     a2 = a2 * c + w * __uint_as_float(v.z); a3 = a3 * c + w * __uint_as_float(v.w);
     m = mn;
   }
+#endif
   const float inv = 1.f / wsum;
   uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) +
                                             ((int64_t)seq * p.num_heads + head) * HEAD + 4 * col);
