@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +58,8 @@ def _by_shape(shape: PagedAttentionShape, variant_at, *, tiling, platform, arch,
                          "give max_seq_len (or check_values=True), or a partition_size")
     if resident_per_sm is None or compute_units is None:
         raise ValueError("a shape-chosen partition size needs resident_per_sm and compute_units")
-    cands = V.partition_candidates(tiling=tiling, head_size=shape.head_size, block_size=shape.block_size,
-                                   dtype=shape.query_dtype, kv_cache_dtype=shape.kv_cache_dtype,
-                                   gqa_ratio=shape.gqa_ratio, platform=platform, max_seq_len=shape.max_seq_len)
+    cands = list(_candidates(tiling, shape.head_size, shape.block_size, shape.query_dtype, shape.kv_cache_dtype,
+                             shape.gqa_ratio, platform, shape.max_seq_len))
     if allowed is not None:
         # e.g. shared steps need longer partitions than a short context's candidates: then the
         # shortest size they accept
@@ -70,15 +70,32 @@ def _by_shape(shape: PagedAttentionShape, variant_at, *, tiling, platform, arch,
     kv_elem = 1 if shape.kv_cache_dtype == "fp8" else 2
 
     def choose(per_sm: int) -> int:
-        return O.partition_by_wave_model(model, cands, num_seqs=shape.num_seqs, num_heads=shape.num_heads,
-                                         num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
-                                         max_seq_len=shape.max_seq_len, kv_elem_bytes=kv_elem,
-                                         slots=max(per_sm, 1) * compute_units, compute_units=compute_units)
+        return _choose(model, tuple(cands), shape.num_seqs, shape.num_heads, shape.num_kv_heads, shape.head_size,
+                       shape.max_seq_len, kv_elem, max(per_sm, 1) * compute_units, compute_units)
 
     per_sm = int(resident_per_sm(variant_at(choose(RESIDENT_GUESS))))
     if per_sm < 1:
         raise ValueError(f"no workgroup of {variant_at(choose(RESIDENT_GUESS)).name} fits an SM of this device")
     return choose(per_sm)
+
+
+# A decode loop asks for the same few shapes over and over: both steps of the choice are pure
+# functions of hashable arguments, kept (from ~120 us to a few us per call).
+@functools.lru_cache(maxsize=4096)
+def _candidates(tiling, head_size, block_size, dtype, kv_cache_dtype, gqa_ratio, platform, max_seq_len) -> tuple:
+    return tuple(V.partition_candidates(tiling=tiling, head_size=head_size, block_size=block_size, dtype=dtype,
+                                        kv_cache_dtype=kv_cache_dtype, gqa_ratio=gqa_ratio, platform=platform,
+                                        max_seq_len=max_seq_len))
+
+
+@functools.lru_cache(maxsize=8192)
+def _choose(model, cands: tuple, num_seqs, num_heads, num_kv_heads, head_size, max_seq_len, kv_elem, slots,
+            compute_units) -> int:
+    from . import occupancy as O
+
+    return O.partition_by_wave_model(model, cands, num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                     head_size=head_size, max_seq_len=max_seq_len, kv_elem_bytes=kv_elem,
+                                     slots=slots, compute_units=compute_units)
 
 
 def _builds(variant_at, p: int) -> bool:
