@@ -398,6 +398,19 @@ SHAPE_KEYS = ("num_seqs", "max_seq_len", "num_heads", "num_kv_heads", "head_size
               "kv_cache_dtype", "seq_lens_dist")
 
 
+def _kernel_rows(df):
+    """(the verified, timed CPA rows of a bench CSV or sweep table with the three combine
+    flags as booleans, False where the table lacks one; the shape keys the table has)."""
+    from . import variants as V
+
+    d = df[(df.tiling != "sdpa_cudnn") & df.tiling.isin(V.TILINGS) & df.time_us.notna()].copy()
+    if "verified" in d:
+        d = d[d.verified.fillna(False).astype(bool)]
+    for col in ("fused_reduce", "cluster_reduce", "shared_steps"):
+        d[col] = d[col].fillna(False).astype(bool) if col in d else False
+    return d, [k for k in SHAPE_KEYS if k in d]
+
+
 def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None, resident_per_sm=None):
     """What the shape-chosen default (cpa.variants BY_SHAPE) picks for each measured shape of a
     bench CSV or sweep table, and how its measured time compares with the shape's best.
@@ -430,14 +443,9 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
         def resident_per_sm(v):
             return O.resident_workgroups(arch, att.loc[v.name].to_dict(), spec)[0]
 
-    d = df[(df.tiling != "sdpa_cudnn") & df.tiling.isin(V.TILINGS) & df.time_us.notna()].copy()
-    if "verified" in d:
-        d = d[d.verified.fillna(False).astype(bool)]
     # a table without the column (the sweeps) timed every row with the reduce launch
-    has_cluster = "cluster_reduce" in d
-    for col in ("fused_reduce", "cluster_reduce", "shared_steps"):
-        d[col] = d[col].fillna(False).astype(bool) if col in d else False
-    keys = [k for k in SHAPE_KEYS if k in d]
+    has_cluster = "cluster_reduce" in df
+    d, keys = _kernel_rows(df)
     rows = []
     for key, g in d.groupby(keys):
         shape = dict(zip(keys, key))
@@ -481,14 +489,7 @@ def fixed_choice(df, tiling: str, partition_size: int):
     CPA time, and slowdown = fixed / best. Shapes without that row are left out."""
     import pandas as pd
 
-    from . import variants as V
-
-    d = df[(df.tiling != "sdpa_cudnn") & df.tiling.isin(V.TILINGS) & df.time_us.notna()].copy()
-    if "verified" in d:
-        d = d[d.verified.fillna(False).astype(bool)]
-    for col in ("fused_reduce", "cluster_reduce", "shared_steps"):
-        d[col] = d[col].fillna(False).astype(bool) if col in d else False
-    keys = [k for k in SHAPE_KEYS if k in d]
+    d, keys = _kernel_rows(df)
     rows = []
     for key, g in d.groupby(keys):
         mine = g[(g.tiling == tiling) & (g.partition_size == partition_size) & ~g.fused_reduce & ~g.cluster_reduce

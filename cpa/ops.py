@@ -64,7 +64,9 @@ def _by_shape(shape: PagedAttentionShape, variant_at, *, tiling, platform, arch,
         # e.g. shared steps need longer partitions than a short context's candidates: then the
         # shortest size they accept
         ok = [p for p in cands if allowed(variant_at(p))]
-        cands = ok or [p for p in V.PARTITION_SIZES if _builds(variant_at, p) and allowed(variant_at(p))][:1]
+        every = _candidates(tiling, shape.head_size, shape.block_size, shape.query_dtype, shape.kv_cache_dtype,
+                            shape.gqa_ratio, platform, max(V.PARTITION_SIZES))
+        cands = ok or [p for p in every if allowed(variant_at(p))][:1]
     if not cands:
         raise ValueError(f"no partition size of {V.PARTITION_SIZES} fits this launch with tiling {tiling!r}")
     kv_elem = 1 if shape.kv_cache_dtype == "fp8" else 2
@@ -96,14 +98,6 @@ def _choose(model, cands: tuple, num_seqs, num_heads, num_kv_heads, head_size, m
     return O.partition_by_wave_model(model, cands, num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                      head_size=head_size, max_seq_len=max_seq_len, kv_elem_bytes=kv_elem,
                                      slots=slots, compute_units=compute_units)
-
-
-def _builds(variant_at, p: int) -> bool:
-    try:
-        variant_at(p)
-        return True
-    except ValueError:
-        return False
 
 
 @dataclass
@@ -168,7 +162,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     platform, arch = device_arch(query.device)
     if shape.max_seq_len is None:
         raise ValueError("max_seq_len must be given when check_values=False")
-    kv_async = staged_loops_flagged()
+    kv_async = staged_loops_flagged() if shared_steps else False  # (reads the flags: only where needed)
     allowed = (lambda v: V.shared_steps_unsupported(v, kv_async=kv_async) is None) if shared_steps else None
     variant = select_variant(shape, tiling=tiling, partition_size=partition_size, platform=platform, arch=arch,
                              resident_per_sm=lambda v: resident_per_sm(v, query.device),
