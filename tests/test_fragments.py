@@ -1,11 +1,9 @@
-"""The NVIDIA mma tilings' lane mappings (cpa/csrc/tilings.h, MmaTiles), replayed on the CPU
+"""The NVIDIA mma tilings' lane mapping (cpa/csrc/tilings.h, MmaTiles), replayed on the CPU
 with the fragment layouts PTX documents for mma.sync.m16n8k16 / m16n8k8 (f16) and
-movmatrix.m8n8.trans, so that an index change in the tiling is checked before a GPU sees it.
-
-The 32-token step (the default) is the mapping the GPU tests verify on the H200; replaying it
-here checks the replay itself. The 16-token step (-DCPA_STEP_TOKENS=16) is checked the same way:
-the K rows and V rows each lane loads, the QK and P x V fragments, and the quad shuffles that
-move P into V's token order must give S = K q^T and O = P V exactly.
+movmatrix.m8n8.trans, so that an index change in the tiling is checked before a GPU sees it:
+the K rows and V rows each lane loads in a 32-token step (whole-line K rows), the QK and P x V
+fragments, and the quad transpose that moves P into V's token order must give S = K q^T and
+O = P V exactly.
 """
 
 from __future__ import annotations
@@ -54,21 +52,12 @@ def quad_transpose4(r):
     return [[r[(lane & ~3) | j][lane & 3] for j in range(4)] for lane in range(W)]
 
 
-def shfl(x, src):
-    return [x[src[lane]] for lane in range(W)]
-
-
-@pytest.mark.parametrize("k8", [False, True], ids=["m16n8k16", "m16n8k8"])
-@pytest.mark.parametrize("tokens", [32, 16, 64])
-def test_mma_step_computes_scores_and_output(tokens, k8):
-    """64: the raw fp8 step (-DCPA_FP8_STEP_TOKENS=64): 16 elements per 16-byte key chunk, each
-    lane's V rows 16 tokens long; replayed on the decoded values (raw word j of a load decodes
-    to its pairs 2j and 2j + 1, the decoded layout's registers), P reordered by two quad
-    transposes."""
-    ntile, nt_count = tokens // 16, 1  # 8 query heads: one n8 tile
-    X = 16 if tokens == 64 else globals()["X"]  # fp8 chunks for the raw step
-    KR, KG = X // 2, HEAD // (4 * X)
-    rng = np.random.default_rng(tokens + k8)
+def _step(k8, transpose=True):
+    """One 32-token step as the tiling computes it: S = K q^T checked here; returns (o, O), the
+    P x V fragments of every d tile (o[m][lane][c]) and P V. transpose=False leaves P in
+    movmatrix's order (the replay's own check)."""
+    tokens, ntile = 32, 2  # 8 query heads: one n8 tile
+    rng = np.random.default_rng(k8)
     K = rng.integers(-4, 5, (tokens, HEAD)).astype(float)  # [token][dim] of the step
     V = rng.integers(-4, 5, (HEAD, tokens)).astype(float)  # [dim][token]
     Q = rng.integers(-4, 5, (8, HEAD)).astype(float)
@@ -80,13 +69,11 @@ def test_mma_step_computes_scores_and_output(tokens, k8):
     k = [[[[K[16 * i + g + 8 * rr, (4 * p + t) * X + 2 * c:(4 * p + t) * X + 2 * c + 2] for c in range(KR)]
            for p in range(KG)] for rr in range(2)] for i in range(ntile) for g, t in lanes()]
     k = [[k[i * W + lane] for i in range(ntile)] for lane in range(W)]  # k[lane][i][rr][p][c]
-    vr = 2 * ntile
-    vtok = lambda t: (tokens // 4) * t  # noqa: E731
-    v = [[[[V[16 * m + g + 8 * rr, vtok(t) + 2 * u:vtok(t) + 2 * u + 2] for u in range(vr)] for rr in range(2)]
+    v = [[[[V[16 * m + g + 8 * rr, 8 * t + 2 * u:8 * t + 2 * u + 2] for u in range(4)] for rr in range(2)]
           for m in range(MT)] for g, t in lanes()]
 
     # qk
-    s = [[0.0] * (ntile * nt_count * 4) for _ in range(W)]
+    s = [[0.0] * (ntile * 4) for _ in range(W)]
     for i in range(ntile):
         acc = [[0.0] * 4 for _ in range(W)]
         for p in range(KG):
@@ -105,26 +92,16 @@ def test_mma_step_computes_scores_and_output(tokens, k8):
     for lane, (g, t) in enumerate(lanes()):
         for e in range(ntile * 4):
             token, head = 16 * (e // 4) + g + 8 * ((e & 3) >> 1), 2 * t + (e & 1)  # s_token, lhead
-            assert s[lane][e] == S[token, head], (tokens, lane, e)
+            assert s[lane][e] == S[token, head], (lane, e)
 
-    # pv: the scores' layout carries P; movmatrix, then V's token order
+    # pv: the scores' layout carries P; movmatrix, then the quad transpose to V's token order
     pf = [[P[2 * t + (e & 1), 16 * (e // 4) + g + 8 * ((e & 3) >> 1)] for e in range(ntile * 4)] for g, t in lanes()]
     pb = [[movmatrix_trans([np.array(pf[lane][i * 4 + 2 * h:i * 4 + 2 * h + 2]) for lane in range(W)])
            for h in range(2)] for i in range(ntile)]  # pb[i][h][lane]
-    if ntile == 4:  # slots 2k + c (k = 0..3) transposed across the quad land in slots 4c + k
-        r = [quad_transpose4([[pb[k][c][lane] for k in range(4)] for lane in range(W)]) for c in range(2)]
-        pb = [[[r[(2 * i + h) // 4][lane][(2 * i + h) % 4] for lane in range(W)] for h in range(2)] for i in range(4)]
-    elif ntile == 2:
+    if transpose:
         r = quad_transpose4([[pb[0][0][lane], pb[0][1][lane], pb[1][0][lane], pb[1][1][lane]] for lane in range(W)])
         pb = [[[r[lane][2 * i + h] for lane in range(W)] for h in range(2)] for i in range(2)]
-    else:
-        s0 = [(lane & ~3) | ((2 * (lane & 3)) & 3) for lane in range(W)]
-        s1 = [(lane & ~3) | ((2 * (lane & 3) + 1) & 3) for lane in range(W)]
-        x0, x1 = shfl(pb[0][0], s0), shfl(pb[0][1], s0)
-        y0, y1 = shfl(pb[0][0], s1), shfl(pb[0][1], s1)
-        pb = [[[x0[lane] if (lane & 3) < 2 else x1[lane] for lane in range(W)],
-               [y0[lane] if (lane & 3) < 2 else y1[lane] for lane in range(W)]]]
-    O = P @ V.T  # [head][dim]
+    o = []
     for m in range(MT):
         acc = [[0.0] * 4 for _ in range(W)]
         for i in range(ntile):
@@ -137,21 +114,20 @@ def test_mma_step_computes_scores_and_output(tokens, k8):
                 acc = mma([(v[lane][m][0][2 * i], v[lane][m][1][2 * i], v[lane][m][0][2 * i + 1],
                             v[lane][m][1][2 * i + 1]) for lane in range(W)],
                           [(pb[i][0][lane], pb[i][1][lane]) for lane in range(W)], acc, False)
-        for lane, (g, t) in enumerate(lanes()):
-            for c in range(4):
-                head, dim = 2 * t + (c & 1), 16 * m + g + 8 * (c >> 1)  # o_coord
-                assert acc[lane][c] == O[head, dim], (tokens, m, lane, c)
+        o.append(acc)
+    return o, P @ V.T  # O: [head][dim]
+
+
+def _o_matches(o, O):
+    return all(o[m][lane][c] == O[2 * t + (c & 1), 16 * m + g + 8 * (c >> 1)]  # o_coord
+               for m in range(MT) for lane, (g, t) in enumerate(lanes()) for c in range(4))
+
+
+@pytest.mark.parametrize("k8", [False, True], ids=["m16n8k16", "m16n8k8"])
+def test_mma_step_computes_scores_and_output(k8):
+    assert _o_matches(*_step(k8))
 
 
 def test_replay_catches_a_wrong_token_order():
-    """The replay can fail: V rows of the 16-token step read in the 32-token order do not give O."""
-    rng = np.random.default_rng(0)
-    V = rng.integers(-4, 5, (16, 16)).astype(float)
-    P = rng.integers(-4, 5, (8, 16)).astype(float)
-    # lane t's k-slots (2t, 2t+1) hold tokens 4t, 4t+1 in V; P pairs left where movmatrix puts them
-    a = [(V[g, 4 * t:4 * t + 2], V[g + 8, 4 * t:4 * t + 2], V[g, 4 * t + 2:4 * t + 4], V[g + 8, 4 * t + 2:4 * t + 4])
-         for g, t in lanes()]
-    b = [(P[g, 2 * t:2 * t + 2], P[g, 8 + 2 * t:8 + 2 * t + 2]) for g, t in lanes()]
-    out = mma(a, b, [[0.0] * 4 for _ in range(W)], False)
-    O = P @ V.T
-    assert any(out[lane][0] != O[2 * t, g] for lane, (g, t) in enumerate(lanes()))
+    """The replay can fail: P left in movmatrix's token order (no quad transpose) does not give O."""
+    assert not _o_matches(*_step(False, transpose=False))

@@ -243,20 +243,15 @@ def test_reduce_kernel_rule_matches_the_launcher():
     import re
 
     src = (Path(V.__file__).parent / "csrc" / "attention.h").read_text()
-    # (the defaults; -DCPA_REDUCE_FEW_WIDE=1, an experiment, changes the last two)
-    assert int(re.search(r"#define CPA_REDUCE_FEW_WIDE (\d+)", src).group(1)) == 0
     macros = {m: int(re.search(rf"#define {m} (\d+)", src).group(1))
-              for m in ("CPA_REDUCE_FEW_MAX", "CPA_REDUCE_FEW_MIN_HEADS")}
-    macros["CPA_REDUCE_FEW_ALWAYS"] = int(re.search(
-        r"#define CPA_REDUCE_FEW_ALWAYS \(CPA_REDUCE_FEW_WIDE \? CPA_REDUCE_FEW_MAX : (\d+)\)", src).group(1))
+              for m in ("CPA_REDUCE_FEW_MAX", "CPA_REDUCE_FEW_ALWAYS", "CPA_REDUCE_FEW_MIN_HEADS")}
     assert macros == dict(CPA_REDUCE_FEW_MAX=V.REDUCE_FEW_MAX, CPA_REDUCE_FEW_ALWAYS=V.REDUCE_FEW_ALWAYS,
                           CPA_REDUCE_FEW_MIN_HEADS=V.REDUCE_FEW_MIN_HEADS)
     assert "max_num_partitions <= CPA_REDUCE_FEW_ALWAYS" in src and "num_seqs * num_heads >= " in src
     assert int(re.search(r"constexpr int kReduceThreads = (\d+);", src).group(1)) == V.REDUCE_THREADS
     assert re.search(r"struct ReduceConfig {.*?THREADS = kReduceThreads;", src, re.S)
     assert re.search(r"struct ReduceFewConfig {.*?THREADS = kReduceFewThreads;", src, re.S)
-    assert int(re.search(r"constexpr int kReduceFewThreads = CPA_REDUCE_FEW_WIDE \? 128 : (\d+);", src).group(1)) \
-        == V.REDUCE_FEW_THREADS
+    assert int(re.search(r"constexpr int kReduceFewThreads = (\d+);", src).group(1)) == V.REDUCE_FEW_THREADS
     assert V.reduce_kernel(1, 1, 64) is None
     assert [V.reduce_kernel(n, 1, 64) for n in (2, 4, 5, 16, 17)] == ["reduce_few"] * 2 + ["reduce"] * 3
     assert [V.reduce_kernel(n, 16, 64) for n in (5, 16, 17)] == ["reduce_few", "reduce_few", "reduce"]

@@ -21,14 +21,6 @@ namespace cpa {
 #ifndef CPA_MIN_BLOCKS
 #define CPA_MIN_BLOCKS 0
 #endif
-// Waves per attention workgroup: 4 (default), or 8 as an A/B knob (-DCPA_NUM_WAVES=8, e.g. with
-// 16-token steps, -DCPA_STEP_TOKENS=16, so that a workgroup still spans 128 tokens per round).
-#ifndef CPA_NUM_WAVES
-#define CPA_NUM_WAVES 4
-#endif
-#if CPA_NUM_WAVES != 4 && CPA_NUM_WAVES != 8
-#error "CPA_NUM_WAVES is 4 or 8 (the pairwise wave combine halves a power of two)"
-#endif
 // 0 compiles the fused-reduce epilogue out (then only the two-kernel path exists): an A/B knob
 // for its cost to the attention kernel when it is not used.
 #ifndef CPA_FUSED_REDUCE
@@ -117,8 +109,7 @@ template <class A, class B> struct Pick<false, A, B> { using type = B; };
 template <class A, class B> struct Same { static constexpr bool value = false; };
 template <class A> struct Same<A, A> { static constexpr bool value = true; };
 
-// Tilings that stage steps in shared memory (define Staged as a step copy: not void), when
-// CPA_KV_ASYNC is on.
+// Tilings that stage steps in shared memory (define Staged), when CPA_KV_ASYNC is on.
 template <class Tl, class = void>
 struct StagesKV { static constexpr bool value = false; };
 #if CPA_KV_ASYNC
@@ -138,14 +129,13 @@ struct StagedBlocks<Tl, true> { static constexpr int value = Tl::Staged::NBLK; }
 // One compile-time variant. Tag: TilingMfma16 / TilingMfma4 / TilingScalar.
 template <class Tag, class T, int HEAD, int BLOCK, bool FP8, int PARTITION, int CAP>
 struct AttnConfig {
-  static constexpr int NUM_WAVES = CPA_NUM_WAVES;
+  // 4 waves, as upstream (8 measured 1.05x slower at batch >= 8, b4581ed; cpa.variants.NUM_WAVES)
+  static constexpr int NUM_WAVES = 4;
   static constexpr int THREADS = NUM_WAVES * kWave;
   using Dtype = T;  // query and output
   using Tiling = Tag;
   // the tiles' operand type: fp16 for bf16 queries with an fp8 cache (CPA_FP8_F16_MMA)
   static constexpr bool half_math = CPA_FP8_F16_MMA && FP8 && T::is_bf16 && !Same<Tag, TilingScalar>::value;
-  // the cache's decoded values over the host's scales' convention (CPA_FP8_UNSCALED: 256 for fp8)
-  static constexpr float decode_scale = FP8 ? kFp8DecodeScale : 1.f;
   // load V after QK (CPA_V_AFTER_QK): forced, or by default the NVIDIA mma tilings at head >= 256
   static constexpr bool v_after_qk =
       CPA_V_AFTER_QK > 0 || (CPA_V_AFTER_QK < 0 && kNvidia && HEAD >= 256 && !Same<Tag, TilingScalar>::value);
@@ -187,8 +177,7 @@ struct AttnConfig {
 // read): fp8 caches +22-48 registers and new spills at head 128 bf16, 16 heads per tile
 // spill, head 256 spills 1.5x, scalar +30-60. So it applies by default only where it was
 // measured (kTabled below), on NVIDIA only (AMD: unmeasured, +2 VGPRs on gfx942).
-// -DCPA_BT_PREFETCH=0|1 for the A/B; 2: fp8 caches too (an A/B knob, compiled only: since fp8
-// runs fp16 tiles, mfma16 / mfma4 head 128 fit 218-224 registers without spills; 194-204 at 1).
+// -DCPA_BT_PREFETCH=0|1 for the A/B.
 #ifndef CPA_BT_PREFETCH
 #if CPA_CUDA
 #define CPA_BT_PREFETCH 1
@@ -238,10 +227,10 @@ struct KVSteps {
   static constexpr int BLOCK = Cfg::block_size;
   static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
   static constexpr int NBLK = Tl::TOKENS >= BLOCK ? Tl::TOKENS / BLOCK : 1;  // blocks per step
-  // (matrix-core tilings, 16-bit cache (fp8 too at 2), head <= 128, <= 8 heads per tile: see CPA_BT_PREFETCH)
+  // (matrix-core tilings, 16-bit cache, head <= 128, <= 8 heads per tile: see CPA_BT_PREFETCH)
   static constexpr int WAVE_BLOCKS = (Cfg::partition_size + STRIDE - 1) / STRIDE * NBLK;
   static constexpr bool kTabled = CPA_BT_PREFETCH && !Same<typename Cfg::Tiling, TilingScalar>::value &&
-                                  (!Cfg::fp8 || CPA_BT_PREFETCH >= 2) && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
+                                  !Cfg::fp8 && Cfg::head_size <= 128 && Tl::HEADS_CAP <= 8 &&
                                   WAVE_BLOCKS <= kMaxEntries * kWave && kWave % NBLK == 0;
   static constexpr int NE = (WAVE_BLOCKS + kWave - 1) / kWave;  // entries per lane
   using Src = typename Pick<kTabled, TabledKV<Cache, BLOCK, NBLK, NE>, Cache>::type;
@@ -694,7 +683,7 @@ CPA_DEVICE void cluster_combine(const AttnParams& p, int64_t row0, const float* 
       mx = mn;
     }
     if (valid && sub == 0) {
-      const float inv = p.out_scale / Cfg::decode_scale / den;
+      const float inv = p.out_scale / den;
       uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
       o[0] = T::pack(a0 * inv, a1 * inv);
       o[1] = T::pack(a2 * inv, a3 * inv);
@@ -776,7 +765,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   typename Tl::Q q;
   Tl::load_q(q, p.query + ((int64_t)seq * p.num_heads + head0) * HEAD, p.gqa, smem);
   float scale_log2 = p.scale_log2;
-  if constexpr (Cfg::decode_scale != 1.f) scale_log2 *= 1.f / Cfg::decode_scale;  // (CPA_FP8_UNSCALED)
   if constexpr (Cfg::half_math) scale_log2 *= query_to_half(q);
 
   float m[LH], l[LH], slope[LH], o[NO];
@@ -908,7 +896,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
     if (Tl::writer()) {
       float inv[LH];
 #pragma unroll
-      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / Cfg::decode_scale / l[lh];
+      for (int lh = 0; lh < LH; ++lh) inv[lh] = p.out_scale / l[lh];
 #pragma unroll
       for (int e = 0; e < NO; ++e) o[e] *= inv[Tl::o_lhead(e)];
       // One test per destination, outside the unrolled stores: tested per element, the
@@ -978,21 +966,11 @@ struct ReduceConfig {
 // always faster up to 4 partials; up to 16 at 2048+ heads (num_seqs x num_heads); slower
 // at 512 heads with 8-16. CPA_REDUCE_FEW_MIN_HEADS sits between the two measured counts.
 // -DCPA_REDUCE_FEW_MAX=0 compiles the choice out (block-wide kernel always).
-// -DCPA_REDUCE_FEW_WIDE=1 (an experiment, off by default; compiled only): 128 threads (4 heads at
-// head 128, 64 registers: like the block-wide kernel, one fits beside two attention workgroups,
-// so under PDL the whole grid of a batch <= 8 decode is resident before the attention ends),
-// each thread issuing the loads of up to 8 partials at once, and the few kernel for every count
-// up to CPA_REDUCE_FEW_MAX. Why: with 5-16 partitions the block-wide kernel adds 3.4 us after the
-// attention at batch 8 (512 workgroups, a quarter resident early) against 1.4 us for the few
-// kernel at <= 4 (64 workgroups), and 4 x 32k / 2 x 32k take 8 / 16 partitions at their best size.
-#ifndef CPA_REDUCE_FEW_WIDE
-#define CPA_REDUCE_FEW_WIDE 0
-#endif
 #ifndef CPA_REDUCE_FEW_MAX
 #define CPA_REDUCE_FEW_MAX 16
 #endif
 #ifndef CPA_REDUCE_FEW_ALWAYS
-#define CPA_REDUCE_FEW_ALWAYS (CPA_REDUCE_FEW_WIDE ? CPA_REDUCE_FEW_MAX : 4)
+#define CPA_REDUCE_FEW_ALWAYS 4
 #endif
 #ifndef CPA_REDUCE_FEW_MIN_HEADS
 #define CPA_REDUCE_FEW_MIN_HEADS 1024
@@ -1005,7 +983,7 @@ inline bool use_reduce_few(int max_num_partitions, int num_seqs, int num_heads) 
          (long long)num_seqs * num_heads >= (long long)CPA_REDUCE_FEW_MIN_HEADS;
 }
 
-constexpr int kReduceFewThreads = CPA_REDUCE_FEW_WIDE ? 128 : 256;
+constexpr int kReduceFewThreads = 256;  // (a plain name for __launch_bounds__, as kReduceThreads)
 template <class T, int HEAD>
 struct ReduceFewConfig {
   static constexpr int THREADS = kReduceFewThreads;
@@ -1025,39 +1003,6 @@ __global__ void __launch_bounds__(kReduceFewThreads) paged_attention_reduce_few_
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   wait_prior_grid();  // the partials below are the attention kernel's
   float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#if CPA_REDUCE_FEW_WIDE
-  constexpr int R = 8;  // partials per round of loads
-  for (int i0 = 0; i0 < np; i0 += R) {
-    float ml[R], es[R];
-    u32x4 v[R];
-    // Past np: the last partial again, weight 0 -- no branch around the loads, as in the
-    // block-wide kernel. (Predicated loads at constant offsets instead let ptxas stream the
-    // rows through 4 registers, one dependent L2 round trip per partial: 36 registers, 8
-    // rounds. Clamped, it issues the scalars and one row, then the other rows after the
-    // first exponentials: 64 registers, 2 rounds, as the block-wide kernel.)
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const int i = i0 + k < np ? i0 + k : np - 1;
-      ml[k] = p.max_logits[base + i];
-      const float e = p.exp_sums[base + i];
-      es[k] = i0 + k < np ? e : 0.f;
-      v[k] = load16(p.tmp_out + (base + i) * HEAD + 4 * col);
-    }
-    float mn = m;
-#pragma unroll
-    for (int k = 0; k < R; ++k) mn = fmaxf_(mn, ml[k]);  // finite: partial i0 < np is real
-    const float c = exp2f_fast((m - mn) * kLog2e);      // 0 in the first round (m = -inf)
-    wsum *= c; a0 *= c; a1 *= c; a2 *= c; a3 *= c;
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const float w = es[k] * exp2f_fast((ml[k] - mn) * kLog2e);
-      wsum += w;
-      a0 += w * __uint_as_float(v[k].x); a1 += w * __uint_as_float(v[k].y);
-      a2 += w * __uint_as_float(v[k].z); a3 += w * __uint_as_float(v[k].w);
-    }
-    m = mn;
-  }
-#else
 #pragma unroll 4
   for (int i = 0; i < np; ++i) {
     const float mi = p.max_logits[base + i], ei = p.exp_sums[base + i];
@@ -1069,7 +1014,6 @@ __global__ void __launch_bounds__(kReduceFewThreads) paged_attention_reduce_few_
     a2 = a2 * c + w * __uint_as_float(v.z); a3 = a3 * c + w * __uint_as_float(v.w);
     m = mn;
   }
-#endif
   const float inv = 1.f / wsum;
   uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) +
                                             ((int64_t)seq * p.num_heads + head) * HEAD + 4 * col);

@@ -219,17 +219,14 @@ CPA_DEVICE void load_chunk(uint32_t (&r)[FP8 ? 8 : 4], const uint8_t* p) {
     r[0] = w.x; r[1] = w.y; r[2] = w.z; r[3] = w.w;
   }
 }
-// Four cached elements (8 or 4 bytes) as two packed registers. SMEM: p points into a staged
-// copy. KV_HINT: a 16-bit cache's 8 bytes come with the cache loads' hint (load8_kv), as in
-// load8_elems -- the 16-token mma step's V rows (-DCPA_STEP_TOKENS=16); the scalar tiling
-// keeps the plain load.
-template <class T, bool FP8, bool SMEM = false, bool KV_HINT = false>
+// Four cached elements (8 or 4 bytes) as two packed registers.
+template <class T, bool FP8>
 CPA_DEVICE void load4_elems(uint32_t (&r)[2], const uint8_t* p) {
   if constexpr (FP8) {
-    u32x2 a = fp8x4_to_16bit<T>(SMEM ? *reinterpret_cast<const uint32_t*>(p) : load4(p));
+    u32x2 a = fp8x4_to_16bit<T>(load4(p));
     r[0] = a.x; r[1] = a.y;
   } else {
-    u32x2 w = SMEM ? lds8(p) : KV_HINT ? load8_kv(p) : load8(p);
+    u32x2 w = load8(p);
     r[0] = w.x; r[1] = w.y;
   }
 }
@@ -240,14 +237,6 @@ CPA_DEVICE uint32_t mask_pair(uint32_t w, int tok, int seq_len) {
   if (tok >= seq_len) return 0u;
   if (tok + 1 >= seq_len) return w & 0xffffu;
   return w;
-}
-
-// Zero the bytes of raw fp8 word `w` (tokens tok .. tok + 3) past seq_len (fp8 0x00 is +0).
-CPA_DEVICE uint32_t mask_bytes(uint32_t w, int tok, int seq_len) {
-  const int keep = seq_len - tok;
-  if (keep >= 4) return w;
-  if (keep <= 0) return 0u;
-  return w & ((1u << (8 * keep)) - 1u);
 }
 
 }  // namespace cpa

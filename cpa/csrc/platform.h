@@ -512,25 +512,9 @@ CPA_DEVICE uint32_t fp8x2_to_half2_div256(uint32_t w) {
 #else
 #define CPA_FP8_HW 0
 #endif
-// 1 (an A/B knob; with the hardware conversion only): decode to the value itself, without the
-// multiply by 2^-8 (two instructions per four bytes, as many as the conversions); the kernel
-// folds the 2^-8 into its logit and output scales instead (kFp8DecodeScale, exact: powers of two).
-#ifndef CPA_FP8_UNSCALED
-#define CPA_FP8_UNSCALED 0
-#endif
-// What fp8x4_to_16bit returns over value / 256 (the host's convention, cpa.ops FP8_DECODE_FACTOR).
-constexpr float kFp8DecodeScale = (CPA_FP8_HW && CPA_FP8_UNSCALED) ? 256.f : 1.f;
-// Four bytes -> two packed 16-bit registers of type T (fp16 or bf16), value / 256 (or the value,
-// CPA_FP8_UNSCALED).
+// Four bytes -> two packed 16-bit registers of type T (fp16 or bf16), value / 256.
 template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
-#if CPA_FP8_HW && CPA_FP8_UNSCALED
-  uint32_t h01, h23;
-  asm("{ .reg .b16 lo, hi;\n"
-      "  mov.b32 {lo, hi}, %2;\n"
-      "  cvt.rn.f16x2.e4m3x2 %0, lo;\n"
-      "  cvt.rn.f16x2.e4m3x2 %1, hi; }"
-      : "=r"(h01), "=r"(h23) : "r"(w));
-#elif CPA_FP8_HW
+#if CPA_FP8_HW
   uint32_t h01, h23;
   asm("{ .reg .b16 lo, hi;\n"
       "  mov.b32 {lo, hi}, %2;\n"

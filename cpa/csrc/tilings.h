@@ -49,28 +49,6 @@ struct TilingScalar {};  // no matrix cores: per-lane dot products
 #ifndef CPA_K_WHOLE_LINES
 #define CPA_K_WHOLE_LINES 1
 #endif
-// Tokens one warp takes per step in the mma tilings: 32 (default, two m16 tiles: 16 KB of a
-// 16-bit cache per warp at head 128) or 16 (one tile, half the bytes and the K/V registers
-// per warp, so that more warps fit an SM; with -DCPA_NUM_WAVES=8 a workgroup still spans 128
-// tokens per round). An A/B knob: more warps with fewer bytes each.
-#ifndef CPA_STEP_TOKENS
-#define CPA_STEP_TOKENS 32
-#endif
-#if CPA_STEP_TOKENS != 16 && CPA_STEP_TOKENS != 32
-#error "CPA_STEP_TOKENS is 16 or 32"
-#endif
-
-// Tokens one warp takes per step with an fp8 cache: 32 (default, as CPA_STEP_TOKENS), or 64:
-// a step is four m16 tiles whose K and V stay in registers as the cache's raw bytes (128
-// registers: 16 KB of fp8 per warp, as a 16-bit cache's 32-token step) and are decoded to
-// 16-bit tile by tile inside QK and P x V; V rows become 16-byte loads. An A/B knob: twice
-// the fp8 bytes in flight per warp without more workgroups.
-#ifndef CPA_FP8_STEP_TOKENS
-#define CPA_FP8_STEP_TOKENS 32
-#endif
-#if CPA_FP8_STEP_TOKENS != 32 && CPA_FP8_STEP_TOKENS != 64
-#error "CPA_FP8_STEP_TOKENS is 32 or 64"
-#endif
 
 // Heads in the n = 8 dimension (NT tiles of 8 for GQA up to 16), tokens in m = 16.
 // Lane = 4 * g + t. A step is 32 tokens = two m16 tiles. Thread (g, t) loads
@@ -81,19 +59,10 @@ struct TilingScalar {};  // no matrix cores: per-lane dot products
 // transposed (movmatrix) score fragment has as the B operand of P x V; with 1, movmatrix
 // leaves lane t the token pairs 4 j + t (j = 2 i + half) where V has 4 t + j: a quad
 // transpose of the four P registers fixes that.
-//
-// With -DCPA_STEP_TOKENS=16 a step is one m16 tile: V rows are tokens 4t + [0, 4) (an 8-byte
-// load of a 16-bit cache), and P's pairs (t and 4 + t after movmatrix) are moved to V's (2t,
-// 2t + 1) by four quad shuffles. With -DCPA_FP8_STEP_TOKENS=64 (fp8, RAW below) a step is four
-// tiles: V rows are tokens 16t + [0, 16) (one 16-byte load of raw fp8), and P reaches that
-// order by two quad transposes.
 template <class T, int HEAD, int BLOCK, bool FP8, int NT, bool K8>
 struct MmaTiles {
   using KV_ = PagedKV<HEAD, BLOCK, FP8>;
-  // fp8 steps of 64 tokens hold the raw cache bytes (CPA_FP8_STEP_TOKENS)
-  // (head <= 128 and one head tile: above, the raw step alone outgrows the register file)
-  static constexpr bool RAW = FP8 && CPA_FP8_STEP_TOKENS == 64 && HEAD <= 128 && NT == 1;
-  static constexpr int NTILE = RAW ? 4 : CPA_STEP_TOKENS / 16;  // m16 token tiles per step
+  static constexpr int NTILE = 2;           // m16 token tiles per step
   static constexpr int TOKENS = 16 * NTILE;
   static constexpr int HEADS_CAP = 8 * NT;
   static constexpr int X = KV_::X;          // head dims per 16-byte key load
@@ -105,20 +74,12 @@ struct MmaTiles {
   static constexpr int NO = MT * NT * 4;
   static constexpr int LH = 2 * NT;
   static_assert(HEAD % (4 * X) == 0, "head size must be a multiple of 4 key chunks");
-  static_assert(NTILE == 2 || CPA_K_WHOLE_LINES, "16-token steps use the whole-line K rows");
 
   struct Q { uint32_t r[NT][KG][KR]; };
-  struct KVDecoded {
+  struct KV {
     uint32_t k[NTILE][2][KG][KR];  // [tile][row g, g+8][load][reg]
-    uint32_t v[MT][2][VR];         // [d tile][row g, g+8][reg]: tokens (TOKENS / 4) t + 2 reg + {0,1}
+    uint32_t v[MT][2][VR];         // [d tile][row g, g+8][reg]: tokens 8 t + 2 reg + {0,1}
   };
-  struct KVRaw {                  // RAW: each 16-byte load as loaded (16 fp8 elements)
-    uint32_t k[NTILE][2][KG][4];  // [tile][row g, g+8][load][word]
-    uint32_t v[MT][2][4];         // [d tile][row g, g+8][word]: tokens 16 t + 4 word + [0, 4)
-    uint32_t vmask[4];            // per word: the bytes of tokens < seq_len (all ones but at the end)
-  };
-  using KV = typename std::conditional<RAW, KVRaw, KVDecoded>::type;
-  static_assert(!RAW || (NTILE == 4 && KR == 8 && VR == 8 && CPA_K_WHOLE_LINES), "raw fp8 steps: 4 tiles, whole lines");
 
   CPA_DEVICE static int g_() { return lane_id() >> 2; }
   CPA_DEVICE static int t_() { return lane_id() & 3; }
@@ -180,53 +141,10 @@ struct MmaTiles {
 
   // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
   // (Src = Staged): the same lane mapping either way.
-  // (void -- no staging -- where a step is not whole blocks: 16-token steps at block 32)
-  using Staged = typename std::conditional<
-      TOKENS % BLOCK != 0 || RAW, void,
-      typename std::conditional<CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
-                                StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type>::type;
+  using Staged = typename std::conditional<CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
+                                           StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type;
   template <int PARTS = kLoadKV, class Src>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
-    if constexpr (RAW) load_kv_raw<PARTS>(kv, c, tok0, partial);
-    else load_kv_decoded<PARTS>(kv, c, tok0, partial);
-  }
-  template <int PARTS, class Src>
-  CPA_DEVICE static void load_kv_raw(KVRaw& kv, const Src& c, int tok0, bool partial) {
-    constexpr bool S = Src::kShared;
-    const int g = g_(), t = t_();
-    static_assert(!S, "raw fp8 steps load from the cache");
-    if constexpr (PARTS & kLoadK) {
-#pragma unroll
-      for (int i = 0; i < NTILE; ++i) {
-        const int ktok = tok0 + 16 * i + g;
-        const int64_t kb = c.block_offset(ktok);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-          for (int p = 0; p < KG; ++p) {
-            const u32x4 w = load16_kv(c.k_ptr(kb, ktok + 8 * rr, (4 * p + t) * X));
-            kv.k[i][rr][p][0] = w.x; kv.k[i][rr][p][1] = w.y; kv.k[i][rr][p][2] = w.z; kv.k[i][rr][p][3] = w.w;
-          }
-      }
-    }
-    if constexpr (PARTS & kLoadV) {
-      const int vtok = tok0 + 16 * t;  // 16 tokens of one block (BLOCK >= 16)
-      const int64_t vb = c.block_offset(vtok);
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const u32x4 w = load16_kv(c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
-          kv.v[m][rr][0] = w.x; kv.v[m][rr][1] = w.y; kv.v[m][rr][2] = w.z; kv.v[m][rr][3] = w.w;
-        }
-      // the masks need no data: applied where each word is decoded (pv_raw), not here, where a
-      // branch over the loaded registers made ptxas copy all of them right after the loads
-#pragma unroll
-      for (int w = 0; w < 4; ++w) kv.vmask[w] = partial ? mask_bytes(~0u, vtok + 4 * w, c.seq_len) : ~0u;
-    }
-  }
-  template <int PARTS, class Src>
-  CPA_DEVICE static void load_kv_decoded(KVDecoded& kv, const Src& c, int tok0, bool partial) {
     constexpr bool S = Src::kShared;
     const int g = g_(), t = t_();
     if constexpr (PARTS & kLoadK) {
@@ -255,15 +173,12 @@ struct MmaTiles {
       }
     }
     if constexpr (!(PARTS & kLoadV)) return;
-    const int vtok = tok0 + (TOKENS / 4) * t;
+    const int vtok = tok0 + 8 * t;
     const int64_t vb = c.block_offset(vtok);
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        if constexpr (NTILE == 2) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
-        else load4_elems<T, FP8, S, true>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
-      }
+      for (int rr = 0; rr < 2; ++rr) load8_elems<T, FP8, S>(kv.v[m][rr], c.v_ptr(vb, 16 * m + g + 8 * rr, vtok));
     if (partial) {
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -277,26 +192,6 @@ struct MmaTiles {
   CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
 #pragma unroll
     for (int e = 0; e < NS; ++e) s[e] = 0.f;
-    if constexpr (RAW) qk_raw(s, q, kv);
-    else qk_decoded(s, q, kv);
-  }
-  // RAW: each raw word of rows g and g + 8 is decoded right before the mma that takes it (two
-  // packed pairs of each row: one m16n8k16 k-step, or two m16n8k8), for every head tile
-  CPA_DEVICE static void qk_raw(float (&s)[NS], const Q& q, const KVRaw& kv) {
-#pragma unroll
-    for (int i = 0; i < NTILE; ++i)
-#pragma unroll
-      for (int p = 0; p < KG; ++p)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32x2 k0 = fp8x4_to_16bit<T>(kv.k[i][0][p][j]), k1 = fp8x4_to_16bit<T>(kv.k[i][1][p][j]);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            kstep16(*reinterpret_cast<float(*)[4]>(&s[(i * NT + nt) * 4]), k0.x, k1.x, k0.y, k1.y,
-                    q.r[nt][p][2 * j], q.r[nt][p][2 * j + 1]);
-        }
-  }
-  CPA_DEVICE static void qk_decoded(float (&s)[NS], const Q& q, const KVDecoded& kv) {
 #pragma unroll
     for (int i = 0; i < NTILE; ++i)
 #pragma unroll
@@ -323,31 +218,7 @@ struct MmaTiles {
         pb[i][nt][0] = movmatrix_trans(T::pack(sc[0], sc[1]));
         pb[i][nt][1] = movmatrix_trans(T::pack(sc[2], sc[3]));
       }
-    if constexpr (NTILE == 1) {
-      // lane t holds token pairs t and 4 + t; V has pairs 2t, 2t + 1: pair 2t is pair 0 of
-      // lane 2t (t < 2) or pair 1 of lane 2t - 4, pair 2t + 1 likewise from lane 2t + 1 (mod 4)
-      const int t = t_(), quad = lane_id() & ~3, s0 = quad | ((2 * t) & 3), s1 = quad | ((2 * t + 1) & 3);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint32_t p0 = pb[0][nt][0], p1 = pb[0][nt][1];
-        const uint32_t x0 = __shfl_sync(0xffffffffu, p0, s0), x1 = __shfl_sync(0xffffffffu, p1, s0);
-        const uint32_t y0 = __shfl_sync(0xffffffffu, p0, s1), y1 = __shfl_sync(0xffffffffu, p1, s1);
-        pb[0][nt][0] = t < 2 ? x0 : x1;
-        pb[0][nt][1] = t < 2 ? y0 : y1;
-      }
-    } else if constexpr (NTILE == 4) {
-      // lane t holds pair 4 j + t in slot j = 2 i + half; V has pairs 8 t + b in slot b: for
-      // each c in {0, 1}, slots 2 k + c (k = 0..3) transposed across the quad land in slots 4 c + k
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t r0[4] = {pb[0][nt][0], pb[1][nt][0], pb[2][nt][0], pb[3][nt][0]};
-        uint32_t r1[4] = {pb[0][nt][1], pb[1][nt][1], pb[2][nt][1], pb[3][nt][1]};
-        quad_transpose4(r0);
-        quad_transpose4(r1);
-        pb[0][nt][0] = r0[0]; pb[0][nt][1] = r0[1]; pb[1][nt][0] = r0[2]; pb[1][nt][1] = r0[3];
-        pb[2][nt][0] = r1[0]; pb[2][nt][1] = r1[1]; pb[3][nt][0] = r1[2]; pb[3][nt][1] = r1[3];
-      }
-    } else if constexpr (CPA_K_WHOLE_LINES) {
+    if constexpr (CPA_K_WHOLE_LINES) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t r[4] = {pb[0][nt][0], pb[0][nt][1], pb[1][nt][0], pb[1][nt][1]};
@@ -355,25 +226,6 @@ struct MmaTiles {
         pb[0][nt][0] = r[0]; pb[0][nt][1] = r[1]; pb[1][nt][0] = r[2]; pb[1][nt][1] = r[3];
       }
     }
-    if constexpr (RAW) pv_raw(o, pb, kv);
-    else pv_decoded(o, pb, kv);
-  }
-  // RAW: each raw V word of rows g and g + 8 (tokens 16 t + 4 i + [0, 4)) decoded right before
-  // the k-step i that takes it
-  CPA_DEVICE static void pv_raw(float (&o)[NO], const uint32_t (&pb)[NTILE][NT][2], const KVRaw& kv) {
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int i = 0; i < NTILE; ++i) {
-        const u32x2 v0 = fp8x4_to_16bit<T>(kv.v[m][0][i] & kv.vmask[i]);
-        const u32x2 v1 = fp8x4_to_16bit<T>(kv.v[m][1][i] & kv.vmask[i]);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          kstep16(*reinterpret_cast<float(*)[4]>(&o[(m * NT + nt) * 4]), v0.x, v1.x, v0.y, v1.y, pb[i][nt][0],
-                  pb[i][nt][1]);
-      }
-  }
-  CPA_DEVICE static void pv_decoded(float (&o)[NO], const uint32_t (&pb)[NTILE][NT][2], const KVDecoded& kv) {
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
