@@ -75,9 +75,10 @@ def _by_shape(shape: PagedAttentionShape, variant_at, *, tiling, platform, arch,
         return _choose(model, tuple(cands), shape.num_seqs, shape.num_heads, shape.num_kv_heads, shape.head_size,
                        shape.max_seq_len, kv_elem, max(per_sm, 1) * compute_units, compute_units)
 
-    per_sm = int(resident_per_sm(variant_at(choose(RESIDENT_GUESS))))
+    guess = variant_at(choose(RESIDENT_GUESS))
+    per_sm = int(resident_per_sm(guess))
     if per_sm < 1:
-        raise ValueError(f"no workgroup of {variant_at(choose(RESIDENT_GUESS)).name} fits an SM of this device")
+        raise ValueError(f"no workgroup of {guess.name} fits an SM of this device")
     return choose(per_sm)
 
 
@@ -238,8 +239,8 @@ def resident_per_sm(variant: V.Variant, device) -> int:
     occupancy query on the built kernel). Every partition size of a variant has the same
     registers and shared memory to within a few registers (data/static/sm_90.csv), so the
     answer is kept per variant without its partition size, per device and compiler flags."""
-    key = (variant.name.replace(f"-p{variant.partition_size}-", "-p*-"), str(torch.device(device)),
-           tuple(extra_flags()))
+    key = (tuple(getattr(variant, f.name) for f in dataclasses.fields(variant) if f.name != "partition_size"),
+           str(torch.device(device)), tuple(extra_flags()))
     if key not in _resident:
         _resident[key] = int(build(variant, device).attributes()["attention"]["blocks_per_sm"])
     return _resident[key]

@@ -224,15 +224,14 @@ PYEOF
       # prebuilt first (an empty arm is the default build), CPA_AB_ARGS the bench options;
       # $OUT/arm-<i>.csv per arm, in arm order; CPA_ARM_PREBUILD_ARGS narrows the prebuild
       # (e.g. "--tilings mfma16 --partition-sizes 1024,2048" to match CPA_AB_ARGS)
-      # every arm's prebuild at once first (the cores are shared; a variant's compile is ~1 min
-      # alone, so one arm at a time leaves most of them idle); each arm then loads from the cache
+      # every arm's prebuild at once first (4 jobs per arm: one arm at a time leaves most of the
+      # host's cores idle); each arm's bench then loads its variants from the cache
       arm_prebuild() {
         CPA_NVCC_FLAGS="$1" $PY -m cpa prebuild --grid bench ${CPA_ARM_PREBUILD_ARGS:-} --jobs 4 2>&1 \
           | grep "prebuild:" | sed "s/^/arm $2 /" &
       }
       t0=$SECONDS; for_each_arm arm_prebuild; wait; echo "all arms prebuilt in $((SECONDS - t0)) s"
       arm_bench() {
-        CPA_NVCC_FLAGS="$1" $PY -m cpa prebuild --grid bench ${CPA_ARM_PREBUILD_ARGS:-} 2>&1 | grep "prebuild:"
         CPA_NVCC_FLAGS="$1" CPA_COMMAND="CPA_NVCC_FLAGS='$1' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
           timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$2.csv" 2>&1 \
           | grep -A14 "best_us" | head -14

@@ -156,3 +156,27 @@ def test_shape_choice_needs_the_context_length_and_a_model(monkeypatch):
     monkeypatch.setitem(V.DEFAULTS, "sm_100", [(16, "mfma16", V.BY_SHAPE, "a rule without a model")])
     with pytest.raises(ValueError, match="no wave model"):
         select(shape_of(8, 1000), Resident(2), arch="sm_100")
+
+
+def test_resident_per_sm_asks_once_per_variant_without_its_partition_size(monkeypatch):
+    """ops.resident_per_sm builds and queries a variant once; other partition sizes of it reuse
+    the answer (same registers and shared memory), any other axis or device asks again."""
+    built = []
+
+    class Kernel:
+        def __init__(self, v):
+            self.v = v
+
+        def attributes(self):
+            return {"attention": {"blocks_per_sm": 3 if self.v.head_size == 64 else 2}}
+
+    monkeypatch.setattr(ops, "_resident", {})
+    monkeypatch.setattr(ops, "build", lambda v, device: built.append((v, device)) or Kernel(v))
+    v = V.variant_for(tiling="mfma16", partition_size=512, head_size=128, block_size=16, dtype="fp16",
+                      kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
+    assert ops.resident_per_sm(v, "cuda:0") == 2
+    assert ops.resident_per_sm(dataclasses.replace(v, partition_size=4096), "cuda:0") == 2
+    assert len(built) == 1
+    assert ops.resident_per_sm(dataclasses.replace(v, head_size=64), "cuda:0") == 3
+    assert ops.resident_per_sm(v, "cuda:1") == 2
+    assert len(built) == 3
