@@ -136,14 +136,15 @@ PYEOF
           case "$T" in sdpa*) K="-c 6";; *) K="-k regex:paged_attention_kernel -s 1 -c 1";; esac
           CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none --profile-from-start off $K --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-            --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
+            --section SchedulerStats --section InstructionStats \
+            --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,dram__bytes_read.sum.per_second --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
           echo "ncu [$F] [$T] rc=$?"
         done
       done
       $PY - "$OUT" <<'PYEOF'
 import glob, io, sys
 import pandas as pd
-show = ("gpu__time_duration.sum", "dram__bytes_read.sum", "lts__t_sectors_srcunit_tex_op_read.sum", "launch__registers_per_thread", "launch__grid_size",
+show = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_read.sum.per_second", "smsp__inst_executed.sum", "lts__t_sectors_srcunit_tex_op_read.sum", "launch__registers_per_thread", "launch__grid_size",
         "sm__warps_active.avg.pct_of_peak_sustained_active", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
         "lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
         "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
