@@ -489,7 +489,12 @@ class WaveModel:
     compute unit, however many of its slots are taken (on the H200 one workgroup per SM reads
     about as fast as two: 1 x 8k at partition 512, 128 workgroups, 13.3 us for the attention
     kernel against 13.4 at 256 with 256 workgroups; counting busy slots instead made the fit
-    of partitions >= 2048 go negative). The three times are fitted (non-negative least
+    of partitions >= 2048 go negative). Given `slots` (workgroups resident at once), the waves
+    are taken one by one: each full wave streams its share of the bytes at the fill of `slots`
+    workgroups, the last, partial one at the fill of what is left. The average over waves hid
+    a short last wave: 3 x 128k at partition 8192 is 384 workgroups on the H200's 264 slots, a
+    full wave and one of 120, which the average counted as two waves of 192, every SM busy;
+    measured 391.7 us against 363.7 at 4096 (data/bench/experiments/h200-target2-odd-2ae03da.csv). The three times are fitted (non-negative least
     squares) to measured times of one device (:func:`fit_wave_model`); on another device they
     are an assumption, to be varied, never a measurement."""
 
@@ -503,15 +508,26 @@ class WaveModel:
         """Modeled µs for each row of a :func:`grid_table` (adds no columns; returns a Series)."""
         return self.time_us(workgroups=g.workgroups, waves=g.waves, compute_units=g.compute_units,
                             partitions=g.partitions, kv_bytes=kv_bytes_of(g),
-                            partials_written=g.partials_bytes_written, partials_read=g.partials_bytes_read)
+                            partials_written=g.partials_bytes_written, partials_read=g.partials_bytes_read,
+                            slots=g.slots if "slots" in g else None)
 
-    def time_us(self, *, workgroups, waves, compute_units, partitions, kv_bytes, partials_written, partials_read):
+    def time_us(self, *, workgroups, waves, compute_units, partitions, kv_bytes, partials_written, partials_read,
+                slots=None):
         """The model's µs for numbers or arrays / Series of them (the formula of the class)."""
         import numpy as np
 
-        fill = np.minimum(workgroups / waves, compute_units) / compute_units
+        written = kv_bytes + partials_written
+        if slots is None:
+            fill = np.minimum(workgroups / waves, compute_units) / compute_units
+            stream = written / (self.bw_bytes_per_s * fill)
+        else:  # wave by wave: the full waves, then the last one's fill
+            tail = workgroups - (waves - 1) * slots  # workgroups of the last wave (1..slots)
+            full_fill = np.minimum(slots, compute_units) / compute_units
+            tail_fill = np.minimum(tail, compute_units) / compute_units
+            per_wg = written / workgroups
+            stream = per_wg * ((workgroups - tail) / full_fill + tail / tail_fill) / self.bw_bytes_per_s
         multi = (partitions > 1) * 1.0
-        stream = (kv_bytes + partials_written) / (self.bw_bytes_per_s * fill) + partials_read / self.bw_bytes_per_s
+        stream = stream + partials_read / self.bw_bytes_per_s
         return stream * 1e6 + self.t_wave_us * waves + multi * self.t_reduce_us + self.t_launch_us
 
 
@@ -545,7 +561,7 @@ def partition_by_wave_model(model: WaveModel, candidates, *, num_seqs: int, num_
         wg = num_seqs * num_kv_heads * parts
         one_way = num_seqs * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
         t = model.time_us(workgroups=wg, waves=math.ceil(wg / slots), compute_units=compute_units, partitions=parts,
-                          kv_bytes=kv, partials_written=one_way, partials_read=one_way)
+                          kv_bytes=kv, partials_written=one_way, partials_read=one_way, slots=slots)
         if best is None or t <= best[0] * (1 + 1e-9):
             best = (t, p)
     return best[1]

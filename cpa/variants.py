@@ -329,7 +329,8 @@ DEFAULTS: dict[str, list[tuple]] = {
 # The wave model of cpa.occupancy (t = t_wave x waves + bytes / (read bandwidth x busy SMs) + ...)
 # with the constants notebook 02 fits to the measured mfma16 rows of the H200 llama70b-decode sweep
 # (non-negative least squares; t_reduce and t_launch fit to 0). The choice it makes is insensitive
-# to t_wave: 0.8 to 3 us pick the same partition sizes over every shipped shape.
+# to t_wave: 1.5 to 3 us pick the same partition sizes over every shipped shape (below 1.5 us
+# one shape moves: 256 x 32k of the llama70b-decode sweep, 8192 -> 4096, measured 0.9% slower).
 SHAPE_MODELS: dict[str, dict] = {
     "sm_90": dict(t_wave_us=1.69, read_gbps=4517.0,
                   source="fitted to data/sweeps/h200-llama70b-decode.parquet (mfma16, 56 shapes x 8 partition "

@@ -96,7 +96,8 @@ P.show(P.grid_fill(grids))
 # `cpa.occupancy.WaveModel`: every wave of resident workgroups pays a fixed cost
 # (`t_wave`: the dependent loads of sequence length, block table and first K block, the
 # softmax epilogue); the bytes stream at the read bandwidth times the fraction of compute
-# units busy (on the H200 one workgroup per SM reads about as fast as two); a launched reduce
+# units busy, wave by wave, so a short last wave streams at its own fill (on the H200 one
+# workgroup per SM reads about as fast as two); a launched reduce
 # adds its own cost and reads the partials back. Its three times are fitted by non-negative
 # least squares to the **measured** mfma16 rows of the H200 sweep (partitions 64-8192). If it
 # picks the H200's measured best partition size, it is worth applying to the compiled MI300X

@@ -86,3 +86,18 @@ def test_fixed_choice_agrees_with_best_fixed_choice(df):
     fig = plots.default_vs_fixed(B.by_shape_choice(df), f, title="t")
     assert sum(len(tr.x) for tr in fig.data) == 32
     assert {tr.name for tr in fig.data} == {"partition size by shape (the sm_90 default)", "fixed mfma16 / 512"}
+
+
+def test_sm90_default_at_odd_batches_and_over_target_2s_domain():
+    """The shape-chosen default over the H200 runs of target 2's domain at 2ae03da (batches 1, 2,
+    4, 8 and the odd batches 3, 5, 6, 7, where no power-of-two partition fills the 264 slots):
+    within 1% of the per-shape best by geometric mean, and wave by wave the model no longer
+    takes a partition whose last wave leaves SMs idle (3 x 128k: 4096, not 8192)."""
+    exp = CSV.parent / "experiments"
+    for name, worst in (("h200-target2-shared-2ae03da.csv", 1.01), ("h200-target2-odd-2ae03da.csv", 1.06)):
+        d = pd.read_csv(exp / name)
+        assert (d.device_name == "NVIDIA H200").all() and d[d.tiling != "sdpa_cudnn"].verified.all()
+        t = B.by_shape_choice(d)
+        assert t.time_us.notna().all() and B.geomean(t.slowdown) < 1.01 and t.slowdown.max() < worst, name
+    odd = B.by_shape_choice(pd.read_csv(exp / "h200-target2-odd-2ae03da.csv")).set_index(["num_seqs", "max_seq_len"])
+    assert odd.loc[(3, 131072), "partition_size"] == 4096 and odd.loc[(5, 131072), "partition_size"] == 4096

@@ -66,6 +66,31 @@ def test_wave_model_choice_by_hand_arithmetic():
     assert pick(8, 32768, slots=3 * H200_SMS, candidates=[2048, 4096, 8192]) == 8192
 
 
+def test_a_short_last_wave_streams_at_its_own_fill():
+    """3 x 128k at P 8192: 384 workgroups on 264 slots are a full wave and one of 120 (120 SMs
+    busy), not two waves of 192 with every SM busy, as averaging the waves counted them. Wave
+    by wave the model picks 4096 (768 workgroups, the last wave of 240 still busies every SM);
+    the H200 measured 363.7 us at 4096 against 391.7 at 8192
+    (data/bench/experiments/h200-target2-odd-2ae03da.csv)."""
+    m = model()
+    kv = 2 * 3 * 131072 * 8 * 128 * 2
+    one = 3 * 64 * 16 * 130 * 4  # P 8192: 16 partitions
+    per_wg = (kv + one) / 384
+    want = per_wg * (264 / 1.0 + 120 / (120 / 132)) / m.bw_bytes_per_s * 1e6 + one / m.bw_bytes_per_s * 1e6 \
+        + 2 * m.t_wave_us
+    got = m.time_us(workgroups=384, waves=2, compute_units=132, partitions=16, kv_bytes=kv, partials_written=one,
+                    partials_read=one, slots=264)
+    assert got == pytest.approx(want, rel=1e-12)
+    averaged = m.time_us(workgroups=384, waves=2, compute_units=132, partitions=16, kv_bytes=kv,
+                         partials_written=one, partials_read=one)
+    assert averaged < got  # the average hid the short wave
+    assert pick(3, 131072, candidates=[4096, 8192]) == 4096
+    # full waves only: the same time either way (8 x 32k at 4096: 512 workgroups, the last wave 248)
+    kw = dict(workgroups=512, waves=2, compute_units=132, partitions=8, kv_bytes=2 * 8 * 32768 * 8 * 128 * 2,
+              partials_written=0, partials_read=0)
+    assert m.time_us(**kw, slots=264) == pytest.approx(m.time_us(**kw), rel=1e-12)
+
+
 def test_more_slots_pick_smaller_partitions_until_every_sm_is_busy():
     # 1 x 32k: at one workgroup per SM 2048 (128 workgroups, one wave), at two 1024 (256)
     assert pick(1, 32768, slots=H200_SMS) == 2048
