@@ -494,9 +494,10 @@ class WaveModel:
     workgroups, the last, partial one at the fill of what is left. The average over waves hid
     a short last wave: 3 x 128k at partition 8192 is 384 workgroups on the H200's 264 slots, a
     full wave and one of 120, which the average counted as two waves of 192, every SM busy;
-    measured 391.7 us against 363.7 at 4096 (data/bench/experiments/h200-target2-odd-2ae03da.csv). The three times are fitted (non-negative least
-    squares) to measured times of one device (:func:`fit_wave_model`); on another device they
-    are an assumption, to be varied, never a measurement."""
+    measured 391.7 us against 363.7 at 4096 (data/bench/experiments/h200-target2-odd-2ae03da.csv).
+    The three times are fitted (non-negative least squares) to measured times of one device
+    (:func:`fit_wave_model`); on another device they are an assumption, to be varied, never a
+    measurement."""
 
     bw_bytes_per_s: float
     t_wave_us: float
