@@ -480,21 +480,22 @@ def grid_table(arch: str, shapes, *, tilings=None, partition_sizes=None, head_si
 class WaveModel:
     """A modeled decode time from grid occupancy: every wave of resident workgroups pays a
     fixed cost, the bytes stream at the device's bandwidth times the fraction of compute
-    units busy, and a launched reduce pays its own fixed cost plus reading the partials back::
+    units busy, wave by wave, and a launched reduce pays its own fixed cost plus reading the
+    partials back::
 
-        t = t_wave x waves + (kv_bytes + partials_written) / (bw x fill)
+        t = t_wave x waves + per_wg x (full_wgs / fill(slots) + last_wgs / fill(last_wgs)) / bw
             + [partitions > 1] x (t_reduce + partials_read / bw) + t_launch
 
-    with fill = min(workgroups / waves, compute units) / compute units: what streams is a busy
-    compute unit, however many of its slots are taken (on the H200 one workgroup per SM reads
-    about as fast as two: 1 x 8k at partition 512, 128 workgroups, 13.3 us for the attention
-    kernel against 13.4 at 256 with 256 workgroups; counting busy slots instead made the fit
-    of partitions >= 2048 go negative). Given `slots` (workgroups resident at once), the waves
-    are taken one by one: each full wave streams its share of the bytes at the fill of `slots`
-    workgroups, the last, partial one at the fill of what is left. The average over waves hid
-    a short last wave: 3 x 128k at partition 8192 is 384 workgroups on the H200's 264 slots, a
-    full wave and one of 120, which the average counted as two waves of 192, every SM busy;
-    measured 391.7 us against 363.7 at 4096 (data/bench/experiments/h200-target2-odd-2ae03da.csv).
+    with per_wg = (kv_bytes + partials_written) / workgroups, the full waves' workgroups
+    (waves - 1) x slots, the last wave's the rest, and fill(w) = min(w, compute units) /
+    compute units: what streams is a busy compute unit, however many of its slots are taken
+    (on the H200 one workgroup per SM reads about as fast as two: 1 x 8k at partition 512, 128
+    workgroups, 13.3 us for the attention kernel against 13.4 at 256 with 256 workgroups;
+    counting busy slots instead made the fit of partitions >= 2048 go negative). The last wave
+    streams at its own fill: averaged over the waves (as until the sixth session of
+    2026-12-05), 3 x 128k at partition 8192, 384 workgroups on the H200's 264 slots, counted as
+    two waves of 192 with every SM busy, where it is a full wave and one of 120; measured
+    391.7 us against 363.7 at 4096 (data/bench/experiments/h200-target2-odd-2ae03da.csv).
     The three times are fitted (non-negative least squares) to measured times of one device
     (:func:`fit_wave_model`); on another device they are an assumption, to be varied, never a
     measurement."""
@@ -510,25 +511,19 @@ class WaveModel:
         return self.time_us(workgroups=g.workgroups, waves=g.waves, compute_units=g.compute_units,
                             partitions=g.partitions, kv_bytes=kv_bytes_of(g),
                             partials_written=g.partials_bytes_written, partials_read=g.partials_bytes_read,
-                            slots=g.slots if "slots" in g else None)
+                            slots=g.slots)
 
     def time_us(self, *, workgroups, waves, compute_units, partitions, kv_bytes, partials_written, partials_read,
-                slots=None):
+                slots):
         """The model's µs for numbers or arrays / Series of them (the formula of the class)."""
         import numpy as np
 
-        written = kv_bytes + partials_written
-        if slots is None:
-            fill = np.minimum(workgroups / waves, compute_units) / compute_units
-            stream = written / (self.bw_bytes_per_s * fill)
-        else:  # wave by wave: the full waves, then the last one's fill
-            tail = workgroups - (waves - 1) * slots  # workgroups of the last wave (1..slots)
-            full_fill = np.minimum(slots, compute_units) / compute_units
-            tail_fill = np.minimum(tail, compute_units) / compute_units
-            per_wg = written / workgroups
-            stream = per_wg * ((workgroups - tail) / full_fill + tail / tail_fill) / self.bw_bytes_per_s
+        last = workgroups - (waves - 1) * slots  # workgroups of the last wave (1..slots)
+        per_wg = (kv_bytes + partials_written) / workgroups
+        full_fill = np.minimum(slots, compute_units) / compute_units
+        last_fill = np.minimum(last, compute_units) / compute_units
         multi = (partitions > 1) * 1.0
-        stream = stream + partials_read / self.bw_bytes_per_s
+        stream = (per_wg * ((workgroups - last) / full_fill + last / last_fill) + partials_read) / self.bw_bytes_per_s
         return stream * 1e6 + self.t_wave_us * waves + multi * self.t_reduce_us + self.t_launch_us
 
 
