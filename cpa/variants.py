@@ -321,9 +321,9 @@ DEFAULTS: dict[str, list[tuple]] = {
     "sm_90": [(16, "mfma16", BY_SHAPE,
                "measured on an H200: mfma16 and mfma4 tie (data/bench/h200-kernel.csv); the partition size "
                "is chosen per launch by the wave model fitted to the H200 sweep (SHAPE_MODELS): over the "
-               "bench's 16 shapes 1.013x the per-shape best (geometric mean; worst 1.09x) against 1.147x "
-               "(worst 2.01x) for the best fixed size (512), over the 56 shapes of "
-               "data/sweeps/h200-llama70b-decode.parquet 1.004x (worst 1.12x) against 1.096x (1.66x); "
+               "bench's 16 shapes 1.013x the per-shape best (geometric mean; worst 1.08x) against 1.146x "
+               "(worst 1.99x) for the best fixed size (512), over the 56 shapes of "
+               "data/sweeps/h200-llama70b-decode.parquet 1.004x (worst 1.13x) against 1.100x (1.76x); "
                "cpa.bench.by_shape_choice")],
 }
 # The wave model of cpa.occupancy (t = t_wave x waves + bytes / (read bandwidth x busy SMs) + ...)
@@ -332,7 +332,7 @@ DEFAULTS: dict[str, list[tuple]] = {
 # to t_wave: 1.5 to 3 us pick the same partition sizes over every shipped shape (below 1.5 us
 # one shape moves: 256 x 32k of the llama70b-decode sweep, 8192 -> 4096, measured 0.9% slower).
 SHAPE_MODELS: dict[str, dict] = {
-    "sm_90": dict(t_wave_us=1.69, read_gbps=4517.0,
+    "sm_90": dict(t_wave_us=1.71, read_gbps=4605.0,
                   source="fitted to data/sweeps/h200-llama70b-decode.parquet (mfma16, 56 shapes x 8 partition "
                          "sizes; read ceiling of that sweep) by notebooks/02_occupancy.py"),
 }
