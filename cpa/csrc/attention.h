@@ -337,6 +337,70 @@ struct KVSteps<Cfg, true> {
     j0 += Ring::NBLK;
   }
 };
+#elif CPA_CUDA && CPA_KV_ASYNC == 6
+// The workgroup's ring (WgRingKV): every wave runs every stage of the partition (a wave whose
+// step lies past the partition still copies and meets the barriers; the loop skips its math),
+// halves issued in order K0 V0 K1 V1 ..., one commit group each (empty past the last half).
+template <class Cfg>
+struct KVSteps<Cfg, true> {
+  using Tl = typename Cfg::Tiles;
+  using Ring = typename Tl::Staged;
+  using Cache = typename Ring::Cache;
+  static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
+  static_assert(Ring::NB * Cfg::block_size == STRIDE, "a stage is one iteration of the fixed loop");
+  const Cache& c;
+  Ring src;
+  uint8_t* slots;
+  int stage0;        // the partition's first token
+  int nhalves;       // 2 x the partition's stages
+  int h = 0;         // the half the next load() / after_qk() reads
+  int ent, ent_next; // lanes < NB: the entries of the stage of the next issue, and of the one after
+  typename Ring::Lane ln;
+  struct Table {};
+  CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
+  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&) : c(c) {
+    slots = reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT);
+    stage0 = first - wave_id() * Tl::TOKENS;
+    nhalves = 2 * ((end - stage0 + STRIDE - 1) / STRIDE);
+    src = Ring{slots, stage0, c.seq_len};
+    ln = Ring::lane_chunks();
+    ent = Ring::entries(c, stage0);  // (a partition has a stage: end > its start)
+    Ring::template issue<false>(c, slots, ent, ln);              // half 0: K of stage 0
+    Ring::template issue<true>(c, slots + Ring::HALF, ent, ln);  // half 1: V of stage 0
+    ent_next = nhalves > 2 ? Ring::entries(c, stage0 + STRIDE) : 0;
+  }
+  // The loop's bound: every wave runs every stage.
+  CPA_DEVICE int loop_end() const { return stage0 + nhalves / 2 * STRIDE + wave_id() * Tl::TOKENS; }
+  // Half h: wait for it, hand it over, refill the slot of h - 1 with h + 2, read h.
+  CPA_DEVICE void next_half() {
+    cp_async_wait_but_newest();  // this thread's copies of half h (h + 1 may still fly)
+    barrier();                   // everyone's copies of h landed; everyone has read h - 1
+    const int f = h + 2;
+    uint8_t* dst = slots + (f % 3) * Ring::HALF;
+    if (f < nhalves) {
+      if (f % 2 == 0) {  // K of stage f / 2: its entries were read a half ago
+        ent = ent_next;
+        Ring::template issue<false>(c, dst, ent, ln);
+      } else {
+        Ring::template issue<true>(c, dst, ent, ln);
+        ent_next = f + 1 < nhalves ? Ring::entries(c, stage0 + (f + 1) / 2 * STRIDE) : 0;
+      }
+    } else {
+      cp_async_commit();  // an empty group: the wait above stays "all but the newest"
+    }
+    src.base = slots + (h % 3) * Ring::HALF;
+    src.tok0 = stage0 + h / 2 * STRIDE;
+    ++h;
+  }
+  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
+    next_half();
+    Tl::template load_kv<kLoadK>(kv, src, tok0, partial);
+  }
+  CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
+    next_half();
+    Tl::template load_kv<kLoadV>(kv, src, tok0, partial);
+  }
+};
 #elif CPA_CUDA
 // Slot (arms 1, 2): a step's K and V are one cp.async group; a step waits for its group, reads
 // the slot, then the slot takes the next step's copies.
@@ -588,6 +652,10 @@ struct SharedSteps {
   }
 };
 
+// The workgroup ring (-DCPA_KV_ASYNC=6) on this variant: its waves run the loop in lockstep.
+template <class Cfg>
+constexpr bool kWgRing = CPA_KV_ASYNC == 6 && Cfg::staged;
+
 // The fixed partitions' step sources (direct, staged or ring) with SharedSteps' interface:
 // the partition's steps, from `first`, STRIDE apart, below `end`.
 template <class Cfg>
@@ -598,7 +666,10 @@ struct FixedSteps : KVSteps<Cfg> {
                         const typename Base::Table& t, const AttnParams&, int, int, int, int)
       : Base(smem, cache, first, end, t) {}
   CPA_DEVICE int begin(int first) const { return first; }
-  CPA_DEVICE int stop(int end) const { return end; }
+  CPA_DEVICE int stop(int end) const {
+    if constexpr (kWgRing<Cfg>) return Base::loop_end();
+    return end;
+  }
   CPA_DEVICE int next(int tok0) const { return tok0 + STRIDE; }
   CPA_DEVICE void finish() {}
 };
@@ -789,11 +860,17 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   constexpr int LOAD_ACC = CPA_LOAD_ONLY == 2 ? 64 : 1;
   uint32_t load_acc[LOAD_ACC] = {};
 #endif
-  for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : end);
+  constexpr bool kRing = kWgRing<Cfg>;
+  const int loop_end = kRing ? steps.stop(end) : end;
+  for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : loop_end);
        tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     steps.load(kv, tok0, partial, tok0 + STRIDE);
+    if (kRing && tok0 >= end) {  // a wave past the partition: the ring's copies and barriers only
+      steps.after_qk(kv, tok0, partial);
+      continue;
+    }
 #if CPA_LOAD_ONLY
     {  // memory-side experiment: fold the step's registers with XORs, no math (wrong output);
        // 2: into LOAD_ACC loop-carried registers, to hold the real kernel's register count
@@ -848,6 +925,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   Tl::finalize_o(o);
 
   // Combine the waves pairwise through shared memory, in (head, dim) coordinates.
+  if constexpr (kRing) cp_async_wait_all();  // (only empty groups are left: no copy lands later)
   barrier();  // the tiling's own shared memory is free from here on
   for (int half = Cfg::NUM_WAVES / 2; half >= 1; half >>= 1) {
     const int w = wave_id();
