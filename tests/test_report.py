@@ -48,7 +48,7 @@ def llama():
 def test_shipped_source_and_banner(llama):
     assert llama.source == "shipped" and llama.path == A.shipped_path("llama70b-decode")
     b = llama.banner()
-    assert "Shipped dataset" in b and "NVIDIA H200" in b and "25581d2" in b and "e7697f4" in b  # FlashInfer rows merged
+    assert "Shipped dataset" in b and "NVIDIA H200" in b and "0d83a2d" in b and "e7697f4" in b  # FlashInfer rows merged
     c = llama.ceilings()
     assert 4000 < c["read_gbps"] < 5000 and 4000 < c["copy_gbps"] < 5000
 

@@ -925,7 +925,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   Tl::finalize_o(o);
 
   // Combine the waves pairwise through shared memory, in (head, dim) coordinates.
+#if CPA_CUDA
   if constexpr (kRing) cp_async_wait_all();  // (only empty groups are left: no copy lands later)
+#endif
   barrier();  // the tiling's own shared memory is free from here on
   for (int half = Cfg::NUM_WAVES / 2; half >= 1; half >>= 1) {
     const int w = wave_id();
