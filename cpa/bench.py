@@ -358,6 +358,33 @@ def summary_table(df):
     return pd.DataFrame(lines)
 
 
+def sdpa_gap(df):
+    """Where the time against SDPA goes, per shape of a bench CSV with SDPA rows: among the
+    verified CPA rows that launch the reduce kernel after the attention (fixed partitions, no
+    fused / cluster combine, no shared steps), the fastest (`time_us`, its `partition_size`) and
+    its own attention kernel's time (`attn_time_us`); `combine_us` = the difference, what the
+    reduce adds to the critical path (PDL overlaps the rest); `best_attn_us` the fastest
+    attention kernel alone at any partition size; `vs_sdpa` = SDPA time / `time_us` (> 1:
+    faster than SDPA) and `attn_vs_sdpa` = SDPA time / `best_attn_us`, the ratio if the combine
+    cost nothing."""
+    import pandas as pd
+
+    d, _ = _kernel_rows(df)
+    d = d[~d[["fused_reduce", "cluster_reduce", "shared_steps"]].any(axis=1) & d.attn_time_us.notna()]
+    sdpa = df[df.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    rows = []
+    for (b, ctx), g in d.groupby(["num_seqs", "max_seq_len"]):
+        if (b, ctx) not in sdpa.index:
+            continue
+        r = g.loc[g.time_us.idxmin()]
+        s, attn = float(sdpa.loc[(b, ctx)]), float(g.attn_time_us.min())
+        rows.append(dict(num_seqs=int(b), max_seq_len=int(ctx), tiling=r.tiling, partition_size=int(r.partition_size),
+                         time_us=float(r.time_us), attn_time_us=float(r.attn_time_us),
+                         combine_us=float(r.time_us - r.attn_time_us), best_attn_us=attn, sdpa_us=s,
+                         vs_sdpa=s / float(r.time_us), attn_vs_sdpa=s / attn))
+    return pd.DataFrame(rows)
+
+
 def _flag(row, name: str) -> bool:
     v = row.get(name, False)
     return bool(v) if v == v and v is not None else False  # (NaN in CSVs that predate the column)

@@ -157,6 +157,12 @@ def bench(
         choice, table = B.best_fixed_choice(df)
         print("\nbest single (tiling, partition, combine) over these shapes (geomean slowdown vs per-shape best):")
         print(table.head(6).round(3).to_string(index=False))
+        gap = B.sdpa_gap(df) if "attn_time_us" in df else None
+        if gap is not None and len(gap):
+            print("\nagainst SDPA, reduce-launch rows (combine_us: what the reduce adds after the attention; "
+                  "attn_vs_sdpa: the ratio if it cost nothing):")
+            print(gap[["num_seqs", "max_seq_len", "tiling", "partition_size", "time_us", "attn_time_us", "combine_us",
+                       "sdpa_us", "vs_sdpa", "attn_vs_sdpa"]].round(3).to_string(index=False))
         arch = str(df.arch.iloc[0]) if "arch" in df and len(df) else ""
         if arch in V.SHAPE_MODELS:
             from . import ops

@@ -55,8 +55,20 @@ for_each_arm() {
     i=$((i + 1))
   done
 }
+# The steps that write the shipped H200 tables (bench, target2, sweep:*) run only on an H200:
+# the device tool may lend an H100 for a call that names nvidia-h200, and those files are
+# H200-only (tests/test_bench_data.py). CPA_ALLOW_OTHER_GPU=1 runs them anyway (the H100 files
+# of data/ are such runs, renamed h100-*). Other steps run on any card.
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+h200_only() {
+  case "$GPU_NAME" in *H200*) return 0;; esac
+  [ -n "${CPA_ALLOW_OTHER_GPU:-}" ] && { echo "h200.sh: step $1 on '$GPU_NAME' (CPA_ALLOW_OTHER_GPU)"; return 0; }
+  echo "h200.sh: step $1 skipped: '$GPU_NAME' is not an H200 (CPA_ALLOW_OTHER_GPU=1 runs it anyway)"
+  return 1
+}
 for step in "$@"; do
   echo "=== step $step ($(date -u +%H:%M:%S))"
+  case "$step" in bench|target2|sweep:*) h200_only "$step" || continue;; esac
   case "$step" in
     env)
       nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv

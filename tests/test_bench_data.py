@@ -101,3 +101,19 @@ def test_sm90_default_at_odd_batches_and_over_target_2s_domain():
         assert t.time_us.notna().all() and B.geomean(t.slowdown) < 1.01 and t.slowdown.max() < worst, name
     odd = B.by_shape_choice(pd.read_csv(exp / "h200-target2-odd-2ae03da.csv")).set_index(["num_seqs", "max_seq_len"])
     assert odd.loc[(3, 131072), "partition_size"] == 4096 and odd.loc[(5, 131072), "partition_size"] == 4096
+
+
+def test_sdpa_gap_on_the_h200_target2_domain():
+    """cpa.bench.sdpa_gap over the H200's target-2 domain (2ae03da): the shapes the kernel
+    trails SDPA at split into three where its attention kernel alone is ahead (the reduce after
+    it is the difference) and ten where the attention kernel alone trails -- what the README
+    and notes/kernel-notes.md ("Seventh session") say."""
+    df = pd.read_csv(CSV.parent / "experiments" / "h200-target2-shared-2ae03da.csv")
+    g = B.sdpa_gap(df)
+    assert len(g) == 20 and (g.combine_us > 0).all() and (g.combine_us < 4).all()
+    assert (g.best_attn_us <= g.attn_time_us).all() and (g.attn_time_us < g.time_us).all()
+    trailing = g[g.vs_sdpa < 1]
+    by_combine = {(int(r.num_seqs), int(r.max_seq_len)) for r in trailing.itertuples() if r.attn_vs_sdpa >= 1}
+    assert len(trailing) == 13 and by_combine == {(2, 32768), (4, 8192), (4, 16384)}, trailing
+    rest = trailing[trailing.attn_vs_sdpa < 1]
+    assert len(rest) == 10 and rest.attn_vs_sdpa.between(0.969, 0.997).all(), rest

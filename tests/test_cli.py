@@ -69,3 +69,9 @@ def test_bench_prints_the_shape_chosen_default(monkeypatch, tmp_path):
     assert asked and all(v.tiling == "mfma16" for v in asked)
     line = [ln.split() for ln in res.output.splitlines() if ln.split()[:2] == ["8", "32768"] and "mfma16" in ln]
     assert line and line[-1][3] == "8192"  # 8 x 32k: 256 workgroups of 8192 tokens, one wave
+    # the gap table: one line per shape with SDPA, the 8 x 32k one as cpa.bench.sdpa_gap says
+    assert "against SDPA, reduce-launch rows" in res.output
+    gap = B.sdpa_gap(shipped).set_index(["num_seqs", "max_seq_len"])
+    assert len(gap) == 16
+    row = gap.loc[(8, 32768)]
+    assert f"{row.combine_us:.3f}".rstrip("0").rstrip(".") in res.output
