@@ -12,12 +12,16 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 LLAMA70B = dict(num_heads=64, num_kv_heads=8, head_size=128, block_size=16)
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
 POOL_BYTES = 1 << 30  # KV pool per shape: rotating sets cover >= 1 GiB, far past the 60 MB L2
 MAX_SETS = 16
+# The target 2 (batch <= 8, context >= 8k) over its whole domain on the H200, SDPA in
+# the same run (`CPA_T2_ARGS=--shared bash scripts/h200.sh target2`, data/bench/README.md)
+TARGET2_CSV = Path(__file__).resolve().parent.parent / "data" / "bench" / "experiments" / "h200-target2-shared-2ae03da.csv"
 
 
 @dataclass

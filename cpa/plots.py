@@ -176,6 +176,21 @@ def speedup_bars(table, columns: list[str], *, title: str, source: str):
     return fig
 
 
+def sdpa_gap_bars(gap, *, source: str):
+    """:func:`cpa.bench.sdpa_gap` as grouped bars per shape: SDPA's time over the kernel's
+    (reduce launch included) and over its attention kernel alone; above 1 is faster than SDPA."""
+    import plotly.graph_objects as go
+
+    x = [f"{int(b)} x {int(c) // 1024}k" for b, c in zip(gap.num_seqs, gap.max_seq_len)]
+    fig = go.Figure([go.Bar(x=x, y=gap.vs_sdpa, name="SDPA / CPA (attention + reduce)"),
+                     go.Bar(x=x, y=gap.attn_vs_sdpa, name="SDPA / CPA attention alone")])
+    fig.add_hline(y=1.0, line_color="gray")
+    fig.update_layout(barmode="group", height=460, yaxis=dict(title="speed-up (x)", range=[0.9, 1.1]),
+                      xaxis_title="batch x context",
+                      title=f"Against cuDNN SDPA at batch <= 8, the best fixed partition per shape ({source})")
+    return fig
+
+
 def kv_dtype_bars(table, *, source: str):
     """:func:`cpa.analysis.kv_dtype_table` as grouped bars: the best time per shape with the
     16-bit and the fp8 KV cache, one group per (query dtype, batch x context); the label over

@@ -103,6 +103,28 @@ with pd.option_context("display.max_rows", 80, "display.precision", 3):
     display(sp[cols])
 
 # %% [markdown]
+# ## Against cuDNN SDPA at long contexts
+# The kernel's second target: faster than SDPA at batch <= 8 and context >= 8k. `cpa bench`
+# over that whole domain (batch 1, 2, 4, 8 x 8k-128k, SDPA in the same run), read by
+# `cpa.bench.sdpa_gap`: per shape the fastest variant that launches the reduce after the
+# attention, and the same ratio with the attention kernel alone -- what it would be if
+# combining the partitions cost nothing. Where the second bar is above 1 and the first below,
+# the reduce is the difference; where both are below, the attention kernel's streaming is.
+# cuDNN reads its contiguous K/V at 97-100% of the read ceiling here, so the paged kernel has
+# one or two percent to find (notes/kernel-notes.md).
+
+# %%
+from cpa import bench as B
+
+t2 = pd.read_csv(B.TARGET2_CSV)
+gap = B.sdpa_gap(t2)
+t2_src = (f"measured on {', '.join(sorted(set(t2.device_name)))}, commit "
+          f"{', '.join(sorted({c[:7] for c in t2.git_commit}))}")
+P.show(P.sdpa_gap_bars(gap, source=t2_src))
+with pd.option_context("display.precision", 3):
+    display(gap)
+
+# %% [markdown]
 # ## The other grids
 # `gqa-scan` holds the KV bytes fixed and raises the query heads per KV head from 1 to 16;
 # `head-size-scan` holds the KV bytes and the GQA ratio fixed and changes the head size;

@@ -117,3 +117,17 @@ def test_sdpa_gap_on_the_h200_target2_domain():
     assert len(trailing) == 13 and by_combine == {(2, 32768), (4, 8192), (4, 16384)}, trailing
     rest = trailing[trailing.attn_vs_sdpa < 1]
     assert len(rest) == 10 and rest.attn_vs_sdpa.between(0.969, 0.997).all(), rest
+
+
+def test_sdpa_gap_bars_and_target2_path():
+    """The notebook's target-2 figure: two bars per shape of cpa.bench.TARGET2_CSV (20 shapes,
+    H200), the measured ratio and the attention-alone ratio, a reference line at 1."""
+    pytest.importorskip("plotly")
+    from cpa import plots
+
+    df = pd.read_csv(B.TARGET2_CSV)
+    assert (df.device_name == "NVIDIA H200").all()
+    fig = plots.sdpa_gap_bars(B.sdpa_gap(df), source="t")
+    assert [len(t.x) for t in fig.data] == [20, 20]
+    assert list(fig.data[0].y) == list(B.sdpa_gap(df).vs_sdpa)
+    assert "1 x 8k" in fig.data[0].x and "8 x 128k" in fig.data[0].x
