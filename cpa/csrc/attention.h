@@ -861,7 +861,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   uint32_t load_acc[LOAD_ACC] = {};
 #endif
   constexpr bool kRing = kWgRing<Cfg>;
-  const int loop_end = kRing ? steps.stop(end) : end;
+  const int loop_end = steps.stop(end);  // (fixed partitions: `end`, or the ring's last stage)
   for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : loop_end);
        tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;

@@ -184,10 +184,11 @@ struct WgRingKV {
     return lane_id() < NB ? c.physical_block(stage_tok0 + lane_id() * BLOCK) : 0;
   }
   // This thread's chunks of every block, the same in each: chunk t + THREADS r of the block
-  // (r < R), its byte offset in the cache block and in the slot's K and V layouts. Computed
-  // once: thread_idx() < THREADS is known here, not to the compiler.
+  // (r < R), its byte offset in the cache block (also its place in an even V block) and in the
+  // slot's K and odd V layouts. Computed once: thread_idx() < THREADS is known here, not to
+  // the compiler.
   static constexpr int R = CPB / THREADS;
-  struct Lane { int at[R], kdst[R], vdst0[R], vdst1[R]; };
+  struct Lane { int at[R], kdst[R], vdst1[R]; };
   CPA_DEVICE static Lane lane_chunks() {
     Lane ln;
     const int t = thread_idx();
@@ -196,7 +197,6 @@ struct WgRingKV {
       const int at = (t + THREADS * r) * 16;
       ln.at[r] = at;
       ln.kdst[r] = k_pos(at / (16 * BLOCK), (at / 16) % BLOCK);
-      ln.vdst0[r] = v_pos(0, at);
       ln.vdst1[r] = v_pos(1, at);
     }
     return ln;
@@ -211,7 +211,7 @@ struct WgRingKV {
       const uint8_t* src = (V ? c.v : c.k) + (int64_t)shfl_idx_i32(ent, b) * c.block_stride;
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        cp_async16(dst + b * SLAB + (V ? (b & 1 ? ln.vdst1[r] : ln.vdst0[r]) : ln.kdst[r]), src + ln.at[r]);
+        cp_async16(dst + b * SLAB + (V ? (b & 1 ? ln.vdst1[r] : ln.at[r]) : ln.kdst[r]), src + ln.at[r]);
     }
     cp_async_commit();
   }
