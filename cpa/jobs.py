@@ -15,10 +15,10 @@ def test_variants(platform: str) -> list[V.Variant]:
     """Every variant tests/test_kernel_gpu.py exercises, plus the bench grid."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(here, "tests"))
-    from test_kernel_gpu import CASES, CLUSTER_CASES  # noqa: E402
+    from test_kernel_gpu import CASES, CLUSTER_CASES, FUSED_CASES  # noqa: E402
 
     vs = []
-    for c in CASES + CLUSTER_CASES:
+    for c in CASES + CLUSTER_CASES + FUSED_CASES:
         try:
             vs.append(V.variant_for(tiling=c["tiling"], partition_size=c["partition_size"], head_size=c["head_size"],
                                     block_size=c["block_size"], dtype=c["dtype"], kv_cache_dtype=c["kv"],

@@ -269,6 +269,11 @@ def test_query_range_with_fp8_cache(tiling):
 
 FUSED_CASES = [dict(BASE, tiling=t, partition_size=p, dtype=dt, kv=kv) for t in V.TILINGS for p in (64, 256, 1024)
                for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
+# the one-round combine maps output columns (gqa x head_size / 4 of them) onto threads two at a
+# time: other head sizes and group sizes give other column counts, some not a multiple of the
+# workgroup, and block 32 other partition edges
+FUSED_CASES += [dict(BASE, tiling=t, partition_size=512, dtype="fp16", kv="auto", **ax) for t in V.TILINGS
+                for ax in (dict(head_size=64, gqa=16), dict(head_size=256, gqa=1), dict(gqa=4, block_size=32))]
 
 
 @pytest.mark.parametrize("c", FUSED_CASES, ids=[case_id(c) for c in FUSED_CASES])
@@ -281,8 +286,8 @@ def test_fused_reduce(c):
 
     P = c["partition_size"]
     lens = edge_lengths(P) + mixed_lengths(P, 5)
-    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, lens, dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"],
-                            device="cuda", seed=P)
+    inp = make_paged_inputs(len(lens), 2 * c["gqa"], 2, c["head_size"], c["block_size"], lens,
+                            dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"], device="cuda", seed=P)
     ref = reference.paged_attention(**inp.as_kwargs())
     out = torch.full_like(inp.query, float("nan"))
     launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling=c["tiling"], out=out, fused_reduce=True)

@@ -488,15 +488,84 @@ CPA_DEVICE float wave_reduce(float x, bool is_max) {
 
 // out[h][:] = sum_p w_p tmp_out[h][p][:] / sum_p w_p over the np partitions of one
 // sequence, for the gqa heads from row0 (the fused reduce; partials come from the L2).
-// Every load of a phase is independent of the others, so each phase costs about one L2 round
-// trip (a few for many partitions): the per-head weights go to shared memory first (one wave
-// per head), then each lane sums its float4 column over the partitions, 8 loads in flight.
-// A loop with one dependent chain per partition instead cost 5-23 us at batch 1 (H200).
-// Partitions that do not fit the weights in shared memory take the serial loop.
+// The combine is the critical path of the last workgroup, so it is built as one L2 round trip
+// per 8 partitions: each thread takes two float4 columns of the output at once and loads, for
+// each, the max logit, the exp sum and the partial column of 8 partitions together (indices
+// clamped, weight 0 past np), then rescales online from chunk to chunk. No shared memory and
+// no barrier: the chain is the loads, a few exponentials and the store.
+// CPA_FUSED_COMBINE=0 keeps the earlier combine (weights through shared memory: one round
+// trip for the max logits, one per head for the exp sums, one for the columns) for the A/B.
+#ifndef CPA_FUSED_COMBINE
+#define CPA_FUSED_COMBINE 1
+#endif
 template <class Cfg>
 CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, float* smem) {
   using T = typename Cfg::Dtype;
   constexpr int HEAD = Cfg::head_size, THREADS = Cfg::THREADS, C4 = HEAD / 4;
+#if CPA_FUSED_COMBINE
+  (void)smem;
+  constexpr int K = 8;     // partitions per round trip
+  constexpr int NCOL = 2;  // float4 columns per thread per round trip
+  const int ncols = p.gqa * C4;
+  const int64_t mnp = p.max_num_partitions;
+  for (int idx0 = thread_idx(); idx0 < ncols; idx0 += NCOL * THREADS) {
+    int hh[NCOL], cc[NCOL];
+    float M[NCOL], L[NCOL], a[NCOL][4];
+#pragma unroll
+    for (int q = 0; q < NCOL; ++q) {
+      const int idx = idx0 + q * THREADS < ncols ? idx0 + q * THREADS : ncols - 1;  // (a clamped column loads, never stores)
+      hh[q] = idx / C4;
+      cc[q] = idx - hh[q] * C4;
+      M[q] = -INFINITY;
+      L[q] = 0.f;
+      a[q][0] = a[q][1] = a[q][2] = a[q][3] = 0.f;
+    }
+    for (int j0 = 0; j0 < np; j0 += K) {
+      float mx[NCOL][K], es[NCOL][K];
+      u32x4 v[NCOL][K];
+#pragma unroll
+      for (int q = 0; q < NCOL; ++q) {
+        const int64_t base = (row0 + hh[q]) * mnp;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int j = j0 + k < np ? j0 + k : np - 1;
+          mx[q][k] = load_f32_l2(p.max_logits + base + j);
+          es[q][k] = load_f32_l2(p.exp_sums + base + j);
+          v[q][k] = load16_l2(p.tmp_out + (base + j) * HEAD + 4 * cc[q]);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < NCOL; ++q) {
+        float mn = M[q];
+#pragma unroll
+        for (int k = 0; k < K; ++k) mn = fmaxf_(mn, mx[q][k]);  // (clamped repeats change nothing)
+        const float r = exp2f_fast((M[q] - mn) * kLog2e);      // 0 on the first chunk (M = -inf)
+        L[q] *= r;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[q][i] *= r;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const float w = j0 + k < np ? es[q][k] * exp2f_fast((mx[q][k] - mn) * kLog2e) : 0.f;
+          L[q] += w;
+          a[q][0] += w * __uint_as_float(v[q][k].x);
+          a[q][1] += w * __uint_as_float(v[q][k].y);
+          a[q][2] += w * __uint_as_float(v[q][k].z);
+          a[q][3] += w * __uint_as_float(v[q][k].w);
+        }
+        M[q] = mn;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < NCOL; ++q) {
+      if (idx0 + q * THREADS < ncols) {
+        const float inv = 1.f / L[q];
+        uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + hh[q]) * HEAD + 4 * cc[q]);
+        o[0] = T::pack(a[q][0] * inv, a[q][1] * inv);
+        o[1] = T::pack(a[q][2] * inv, a[q][3] * inv);
+      }
+    }
+  }
+#else
   const int gqa = p.gqa;
   if (gqa * (np + 1) <= Cfg::SMEM_FLOATS) {
     float* w = smem;               // [gqa][np]: max logits, then weights
@@ -559,6 +628,7 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
     o[0] = T::pack(a0 * inv, a1 * inv);
     o[1] = T::pack(a2 * inv, a3 * inv);
   }
+#endif
 }
 
 // Shared steps (p.steal, direct loads only): the partitions of one (sequence, KV head) share
@@ -1008,11 +1078,24 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   // Fused reduce: the last workgroup of this (sequence, KV head) to finish combines its
   // partitions, saving the second launch (and its latency) that dominates small batches.
   __shared__ int is_last;
+  const int np_seq = (seq_len + PARTITION - 1) / PARTITION;
+  int* ctr = p.counters + (int64_t)seq * p.num_kv_heads + kvh;
+#if CPA_FUSED_COMBINE
+  // One acquire-release count by one thread: the barrier orders wave 0's partial stores
+  // before it (its release makes them visible device-wide with the count), and the last
+  // workgroup's acquire orders every other workgroup's partials before its loads (the second
+  // barrier passes that on to its other threads). The counter is reset after the combine,
+  // off the critical path (the next launch's workgroups count only after this grid).
+  barrier();
+  if (thread_idx() == 0) is_last = atomic_add_acq_rel_i32(ctr, 1) == np_seq - 1;
+  barrier();
+  if (!is_last) return;
+  combine_partitions<Cfg>(p, row0, np_seq, smem);
+  if (thread_idx() == 0) *ctr = 0;  // every other workgroup has counted: ready for the next launch
+#else
   fence_device();  // this workgroup's partials are visible device-wide before it counts
   barrier();
-  const int np_seq = (seq_len + PARTITION - 1) / PARTITION;
   if (thread_idx() == 0) {
-    int* ctr = p.counters + (int64_t)seq * p.num_kv_heads + kvh;
     const int prev = atomic_add_i32(ctr, 1);
     is_last = prev == np_seq - 1;
     if (is_last) *ctr = 0;  // every other workgroup has counted: ready for the next launch
@@ -1021,6 +1104,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   if (!is_last) return;
   fence_device();
   combine_partitions<Cfg>(p, row0, np_seq, smem);
+#endif
 #endif
 }
 

@@ -128,6 +128,19 @@ CPA_DEVICE int atomic_add_i32(int* p, int v) {
   return atomicAdd(p, v);
 #endif
 }
+// The count of the one-round fused combine: an acquire-release RMW at device scope. Its
+// release covers the workgroup's stores ordered before it by a barrier (cumulativity), its
+// acquire the stores released by the earlier counts (they form one release sequence), so
+// neither side needs a separate fence (which the CUDA fence, fence.sc, makes heavier).
+CPA_DEVICE int atomic_add_acq_rel_i32(int* p, int v) {
+#if CPA_HIP
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+#endif
+}
 CPA_DEVICE void atomic_store_i32(int* p, int v) {
 #if CPA_HIP
   __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
