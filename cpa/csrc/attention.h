@@ -489,10 +489,11 @@ CPA_DEVICE float wave_reduce(float x, bool is_max) {
 // out[h][:] = sum_p w_p tmp_out[h][p][:] / sum_p w_p over the np partitions of one
 // sequence, for the gqa heads from row0 (the fused reduce; partials come from the L2).
 // The combine is the critical path of the last workgroup, so it is built as one L2 round trip
-// per 8 partitions: each thread takes two float4 columns of the output at once and loads, for
-// each, the max logit, the exp sum and the partial column of 8 partitions together (indices
-// clamped, weight 0 past np), then rescales online from chunk to chunk. No shared memory and
-// no barrier: the chain is the loads, a few exponentials and the store.
+// per 16 (or 8) partitions: each thread takes two float4 columns of the output at once and
+// loads, for each, the max logits, the exp sums and the partial columns of a round's
+// partitions together (indices clamped, weight 0 past np), then rescales online from round to
+// round. No shared memory and no barrier: the chain is the loads, a few exponentials and the
+// store. (H100, 855c003: 0.969x the earlier combine's time, geomean over batch 1-8 x 8k-32k.)
 // CPA_FUSED_COMBINE=0 keeps the earlier combine (weights through shared memory: one round
 // trip for the max logits, one per head for the exp sums, one for the columns) for the A/B.
 #ifndef CPA_FUSED_COMBINE
@@ -504,8 +505,17 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
   constexpr int HEAD = Cfg::head_size, THREADS = Cfg::THREADS, C4 = HEAD / 4;
 #if CPA_FUSED_COMBINE
   (void)smem;
-  constexpr int K = 8;     // partitions per round trip
-  constexpr int NCOL = 2;  // float4 columns per thread per round trip
+  // Where a wave's columns all belong to one head (HEAD / 4 a multiple of the wave), lane l
+  // loads the max logit and exp sum of the round's partition l % K and the weights reach the
+  // other lanes by shuffles: 2 scalar loads per column instead of 2 K, which leaves the
+  // registers for 16 partitions per round. Otherwise every lane loads all K of them.
+  constexpr bool LANE_W = C4 % kWave == 0;
+  constexpr int K = LANE_W ? 16 : 8;  // partitions per round trip
+  // float4 columns per thread per round trip: two where a group of 8 heads has more columns
+  // than the workgroup has threads (NVIDIA head >= 128), else one, so that the loads in flight
+  // do not raise the kernel's registers where its main loop needs fewer (AMD head 64 at 5
+  // waves per SIMD)
+  constexpr int NCOL = 8 * C4 > THREADS ? 2 : 1;
   const int ncols = p.gqa * C4;
   const int64_t mnp = p.max_num_partitions;
   for (int idx0 = thread_idx(); idx0 < ncols; idx0 += NCOL * THREADS) {
@@ -513,7 +523,8 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
     float M[NCOL], L[NCOL], a[NCOL][4];
 #pragma unroll
     for (int q = 0; q < NCOL; ++q) {
-      const int idx = idx0 + q * THREADS < ncols ? idx0 + q * THREADS : ncols - 1;  // (a clamped column loads, never stores)
+      // (a clamped column loads, never stores; with LANE_W a whole wave is clamped or none)
+      const int idx = idx0 + q * THREADS < ncols ? idx0 + q * THREADS : ncols - 1;
       hh[q] = idx / C4;
       cc[q] = idx - hh[q] * C4;
       M[q] = -INFINITY;
@@ -521,36 +532,53 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
       a[q][0] = a[q][1] = a[q][2] = a[q][3] = 0.f;
     }
     for (int j0 = 0; j0 < np; j0 += K) {
-      float mx[NCOL][K], es[NCOL][K];
+      constexpr int NS = LANE_W ? 1 : K;  // scalar loads per column
+      float mx[NCOL][NS], es[NCOL][NS];
       u32x4 v[NCOL][K];
 #pragma unroll
       for (int q = 0; q < NCOL; ++q) {
         const int64_t base = (row0 + hh[q]) * mnp;
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-          const int j = j0 + k < np ? j0 + k : np - 1;
+        for (int k = 0; k < NS; ++k) {
+          const int jk = j0 + (LANE_W ? lane_id() % K : k);
+          const int j = jk < np ? jk : np - 1;
           mx[q][k] = load_f32_l2(p.max_logits + base + j);
           es[q][k] = load_f32_l2(p.exp_sums + base + j);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const int j = j0 + k < np ? j0 + k : np - 1;
           v[q][k] = load16_l2(p.tmp_out + (base + j) * HEAD + 4 * cc[q]);
         }
       }
 #pragma unroll
       for (int q = 0; q < NCOL; ++q) {
-        float mn = M[q];
+        float mn = M[q], w[K];
+        if constexpr (LANE_W) {
+          float m = mx[q][0];  // (clamped repeats change nothing)
 #pragma unroll
-        for (int k = 0; k < K; ++k) mn = fmaxf_(mn, mx[q][k]);  // (clamped repeats change nothing)
-        const float r = exp2f_fast((M[q] - mn) * kLog2e);      // 0 on the first chunk (M = -inf)
+          for (int s = 1; s < K; s <<= 1) m = fmaxf_(m, shfl_xor(m, s));
+          mn = fmaxf_(mn, m);
+          const float wl = j0 + lane_id() % K < np ? es[q][0] * exp2f_fast((mx[q][0] - mn) * kLog2e) : 0.f;
+#pragma unroll
+          for (int k = 0; k < K; ++k) w[k] = __int_as_float(shfl_idx_i32(__float_as_int(wl), k));
+        } else {
+#pragma unroll
+          for (int k = 0; k < K; ++k) mn = fmaxf_(mn, mx[q][k]);
+#pragma unroll
+          for (int k = 0; k < K; ++k) w[k] = j0 + k < np ? es[q][k] * exp2f_fast((mx[q][k] - mn) * kLog2e) : 0.f;
+        }
+        const float r = exp2f_fast((M[q] - mn) * kLog2e);  // 0 on the first round (M = -inf)
         L[q] *= r;
 #pragma unroll
         for (int i = 0; i < 4; ++i) a[q][i] *= r;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          const float w = j0 + k < np ? es[q][k] * exp2f_fast((mx[q][k] - mn) * kLog2e) : 0.f;
-          L[q] += w;
-          a[q][0] += w * __uint_as_float(v[q][k].x);
-          a[q][1] += w * __uint_as_float(v[q][k].y);
-          a[q][2] += w * __uint_as_float(v[q][k].z);
-          a[q][3] += w * __uint_as_float(v[q][k].w);
+          L[q] += w[k];
+          a[q][0] += w[k] * __uint_as_float(v[q][k].x);
+          a[q][1] += w[k] * __uint_as_float(v[q][k].y);
+          a[q][2] += w[k] * __uint_as_float(v[q][k].z);
+          a[q][3] += w[k] * __uint_as_float(v[q][k].w);
         }
         M[q] = mn;
       }
