@@ -489,7 +489,7 @@ CPA_DEVICE float wave_reduce(float x, bool is_max) {
 // out[h][:] = sum_p w_p tmp_out[h][p][:] / sum_p w_p over the np partitions of one
 // sequence, for the gqa heads from row0 (the fused reduce; partials come from the L2).
 // The combine is the critical path of the last workgroup, so it is built as one L2 round trip
-// per 16 (or 8) partitions: each thread takes two float4 columns of the output at once and
+// per 8 partitions: each thread takes two float4 columns of the output at once and
 // loads, for each, the max logits, the exp sums and the partial columns of a round's
 // partitions together (indices clamped, weight 0 past np), then rescales online from round to
 // round. No shared memory and no barrier: the chain is the loads, a few exponentials and the
@@ -507,10 +507,12 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
   (void)smem;
   // Where a wave's columns all belong to one head (HEAD / 4 a multiple of the wave), lane l
   // loads the max logit and exp sum of the round's partition l % K and the weights reach the
-  // other lanes by shuffles: 2 scalar loads per column instead of 2 K, which leaves the
-  // registers for 16 partitions per round. Otherwise every lane loads all K of them.
+  // other lanes by shuffles: 2 scalar loads per column instead of 2 K. Otherwise every lane
+  // loads all K of them. K = 8: the loads in flight (2 x 8 float4 = 64 registers) must fit
+  // under the main loop's own count, or the whole kernel takes more registers (16 per round
+  // raised the V-after-QK build from 162 to 202).
   constexpr bool LANE_W = C4 % kWave == 0;
-  constexpr int K = LANE_W ? 16 : 8;  // partitions per round trip
+  constexpr int K = 8;  // partitions per round trip
   // float4 columns per thread per round trip: two where a group of 8 heads has more columns
   // than the workgroup has threads (NVIDIA head >= 128), else one, so that the loads in flight
   // do not raise the kernel's registers where its main loop needs fewer (AMD head 64 at 5
