@@ -235,7 +235,9 @@ def test_sm90_workgroup_ring_loop(tmp_path):
     # 5 issue sites (the prologue's K and V, the loop's K and V halves, the skipped wave's V)
     assert body.count("cp.async.ca.shared.global") == 5 * 16, body.count("cp.async.ca.shared.global")
     assert body.count("cp.async.wait_group") >= 3  # a half's K and V, the one after the loop
-    assert body.count("bar.sync") >= 3 + 7  # the three loop hand-offs, and the direct build's 7
+    _, direct = _sm90_attention(tmp_path, [main])
+    # the three loop hand-offs on top of the direct build's barriers
+    assert body.count("bar.sync") >= direct[main.name].count("bar.sync") + 3
     r = res[main.name]
     assert r["spill_stores"] + r["spill_loads"] == 0 and r["registers"] < 200, r
 
@@ -337,7 +339,8 @@ def test_sm90_default_loads_whole_key_lines_and_reads_the_block_table_once(tmp_p
         d, o = default[v.name], off[v.name]
         assert d.count("shfl.sync.bfly") > o.count("shfl.sync.bfly"), v.name
         tabled = v.kv_cache_dtype == "auto" and v.head_size <= 128 and v.heads_cap <= 8
-        assert ("shfl.sync.idx" in d) == tabled and "shfl.sync.idx" not in o, v.name
+        # (both builds also have the fused combine's weight shuffles at head >= 128)
+        assert (d.count("shfl.sync.idx") > o.count("shfl.sync.idx")) == tabled, v.name
         assert "mma.sync.aligned" in d and "mma.sync.aligned" in o
         assert res[v.name]["spill_stores"] == 0 and res0[v.name]["spill_stores"] == 0, v.name
 
