@@ -493,7 +493,8 @@ CPA_DEVICE float wave_reduce(float x, bool is_max) {
 // loads, for each, the max logits, the exp sums and the partial columns of a round's
 // partitions together (indices clamped, weight 0 past np), then rescales online from round to
 // round. No shared memory and no barrier: the chain is the loads, a few exponentials and the
-// store. (H100, 855c003: 0.969x the earlier combine's time, geomean over batch 1-8 x 8k-32k.)
+// store. (H100: the fused launches take 0.969x the time they took with the earlier combine,
+// geomean over batch 1-8 x 8k-32k; notes/kernel-notes.md, eighth session.)
 // CPA_FUSED_COMBINE=0 keeps the earlier combine (weights through shared memory: one round
 // trip for the max logits, one per head for the exp sums, one for the columns) for the A/B.
 #ifndef CPA_FUSED_COMBINE
