@@ -389,6 +389,30 @@ def sdpa_gap(df):
     return pd.DataFrame(rows)
 
 
+def combine_costs(df):
+    """What each way of combining partitions adds to the attention kernel's own time, per
+    (tiling, shape, partition size) of a bench CSV that has both the reduce-launch row (fixed
+    partitions, no cluster combine or shared steps; its `attn_time_us` is the attention kernel
+    alone) and the fused-reduce row: `reduce_us` = reduce-launch time minus attention alone,
+    `fused_us` = fused time minus the same attention time, `num_partitions` of the longest
+    sequence. Only verified rows; shapes of one partition (nothing to combine) are left out."""
+    import pandas as pd
+
+    d, _ = _kernel_rows(df)
+    d = d[~d.cluster_reduce & ~d.shared_steps]
+    keys = ["tiling", "num_seqs", "max_seq_len", "partition_size"]
+    red = d[~d.fused_reduce & d.attn_time_us.notna()].set_index(keys)
+    fz = d[d.fused_reduce].set_index(keys)
+    both = red.index.intersection(fz.index)
+    out = pd.DataFrame(index=both).reset_index()
+    out["num_partitions"] = -(-out.max_seq_len // out.partition_size)
+    attn = red.loc[both, "attn_time_us"].to_numpy()
+    out["attn_time_us"] = attn
+    out["reduce_us"] = red.loc[both, "time_us"].to_numpy() - attn
+    out["fused_us"] = fz.loc[both, "time_us"].to_numpy() - attn
+    return out[out.num_partitions > 1].reset_index(drop=True)
+
+
 def _flag(row, name: str) -> bool:
     v = row.get(name, False)
     return bool(v) if v == v and v is not None else False  # (NaN in CSVs that predate the column)
