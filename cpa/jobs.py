@@ -136,7 +136,7 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
     else:
         launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
                          block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale,
-                         partition_size=partition_size, tiling=tiling)
+                         partition_size=partition_size, tiling=tiling, fused_reduce=False)
     launch()  # builds, plans and warms up outside the profiled range
     torch.cuda.synchronize()
     torch.cuda.profiler.start()  # ncu --profile-from-start off sees only these launches

@@ -136,12 +136,14 @@ class Launch:
 
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-            return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False,
+            return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=None,
             cluster_reduce=None, shared_steps=False) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
     fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
     itself instead of a second (reduce) launch; the intermediates are written either way.
+    True requires it, False never, None picks (cpa.variants.fused_default; never where
+    shared steps or the cluster combine run).
     cluster_reduce: the partitions of each (sequence, KV head) run as one thread-block
     cluster and combine through distributed shared memory (sm_90+, 2-16 partitions; no
     intermediates are written). True requires it, False never, None picks
@@ -174,6 +176,14 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                          f"{variant.partition_size} tokens; the grid allows at most 65535")
     shape = dataclasses.replace(shape, partition_size=variant.partition_size, max_num_partitions=num_partitions)
     kernel = build(variant, query.device)
+    if fused_reduce is None:
+        # the device's rule (cpa.variants.fused_default), unless another combine is asked for or
+        # the cluster combine will be chosen (it has its own rule and wins at small grids)
+        fused_reduce = (V.fused_default(arch, num_partitions) and not shared_steps and not cluster_reduce
+                        and "-DCPA_FUSED_REDUCE=0" not in extra_flags()
+                        and not (cluster_reduce is None and not return_intermediates
+                                 and V.cluster_default(arch, num_partitions, shape.num_seqs, shape.num_kv_heads,
+                                                       _num_sms(query.device))))
     fused = bool(fused_reduce) and num_partitions > 1
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
@@ -273,7 +283,7 @@ def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAt
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None,
                     tiling=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
-                    return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=False,
+                    return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=None,
                     cluster_reduce=None, shared_steps=False):
     """Paged attention decode with the CPA kernel (vLLM ROCm paged_attention contract).
 

@@ -754,13 +754,13 @@ class CudaRunner:
         try:
             out = torch.full_like(state.inputs.query, float("nan"))  # poisoned: unwritten outputs show
             # the two-kernel design (attention, then the reduce launch) at every point, so that
-            # rows compare partition sizes on one structure; the cluster combine is a bench mode
+            # rows compare partition sizes on one structure; the in-kernel combines are bench modes
             ver = prepare(**state.inputs.as_kwargs(), partition_size=variant.partition_size, tiling=variant.tiling,
-                          out=out, cluster_reduce=False)
+                          out=out, cluster_reduce=False, fused_reduce=False)
             launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache, block_tables=bt,
                                 seq_lens=sets.seq_lens, scale=sets.scale, partition_size=variant.partition_size,
                                 tiling=variant.tiling, max_seq_len=pt.max_seq_len, check_values=(i == 0),
-                                cluster_reduce=False, **(kv_kw if fp8 else {}))
+                                cluster_reduce=False, fused_reduce=False, **(kv_kw if fp8 else {}))
                         for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
         except ValueError as e:  # not a variant of this platform / shape
             raise Unsupported(f"{UNSUPPORTED}: {e}") from None

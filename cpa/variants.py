@@ -284,6 +284,25 @@ def cluster_default(arch: str, max_num_partitions: int, num_seqs: int, num_kv_he
     return num_seqs * num_kv_heads * max_num_partitions <= CLUSTER_AUTO_SM_FRACTION * num_sms
 
 
+# The fused reduce (`fused_reduce=True`, attention.h combine_partitions): the last workgroup of
+# each (sequence, KV head) combines the partials, one L2 round trip per FUSED_ROUND partitions.
+# fused_reduce=None picks it on sm_90 where a launch has FUSED_AUTO_PARTITIONS partitions and
+# the cluster combine was not chosen. Measured on an H100 (one-round combine, f69733a / 74fe4ab,
+# data/bench/experiments/h100-fused-combine-*.csv, mfma16, batch 1-8 x 8k-32k): time against
+# the reduce launch, median 0.988-0.990 at 8 partitions (every row faster, in three calls),
+# level at 2-4 and 16, 1.014 at 32 (two and four rounds).
+FUSED_ROUND = 8  # partitions per round of combine_partitions (its K)
+FUSED_AUTO_PARTITIONS = (5, FUSED_ROUND)
+FUSED_AUTO_ARCHS = ("sm_90",)
+
+
+def fused_default(arch: str, max_num_partitions: int) -> bool:
+    """Whether fused_reduce=None picks the fused reduce for this launch (before the cluster
+    combine's own choice, which wins where it is taken)."""
+    lo, hi = FUSED_AUTO_PARTITIONS
+    return arch in FUSED_AUTO_ARCHS and lo <= max_num_partitions <= hi
+
+
 # Shared steps (`shared_steps=True`): the workgroups of one (sequence, KV head) take its steps
 # from a common counter after one step each of their own, so a faster workgroup takes more.
 # Each wave must own at least two steps of its partition for that to be worth a counter.

@@ -81,7 +81,8 @@ def main(argv=None) -> int:
                 launches[v.label] = prepare(query=sets.queries[0], key_cache=sets.key_cache,
                                             value_cache=sets.value_cache, block_tables=sets.block_tables[0],
                                             seq_lens=seq_lens, scale=sets.scale, partition_size=v.partition_size,
-                                            tiling=v.tiling, max_seq_len=pt.max_seq_len)
+                                            tiling=v.tiling, max_seq_len=pt.max_seq_len,
+                                            fused_reduce=False)  # attention and reduce: two kernels, each profiled
             except ValueError as e:  # not a variant of this platform / shape: nothing launched, nothing mapped
                 print(f"harness: skip {pt.point_id} {v.label}: {e}", file=sys.stderr)
                 launches[v.label] = None

@@ -330,7 +330,8 @@ def test_reduce_kernel_choice(c):
     inp = make_paged_inputs(num_seqs, num_heads, num_kv_heads, head, 16, lens, dtype=TORCH_DTYPE[dt],
                             kv_cache_dtype=kv, device="cuda", seed=n)
     out = torch.full_like(inp.query, float("nan"))
-    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling="mfma16", out=out, cluster_reduce=False)
+    launch = ops.prepare(**inp.as_kwargs(), partition_size=P, tiling="mfma16", out=out, cluster_reduce=False,
+                         fused_reduce=False)
     assert launch.num_partitions == n
     want = V.reduce_kernel(n, num_seqs, num_heads)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -449,6 +450,43 @@ def test_cluster_reduce_auto():
         out = launch()
         ref = reference.paged_attention(**inp.as_kwargs())
         assert reference.relative_error(out, ref, per_seq=True) <= reference.REL_ERR_TOL[torch.float16]
+
+
+def test_fused_reduce_auto():
+    """fused_reduce=None takes the fused reduce exactly where cpa.variants.fused_default says and
+    no other combine is chosen or asked for; the default launch is right, launch after launch
+    (the counters reset), and so is paged_attention's default path."""
+    import cpa
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+    from cpa.jit import device_arch
+
+    _, arch = device_arch()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # 16 sequences x 8 KV heads: 128 workgroups per partition, too many for the cluster rule
+    inp = make_paged_inputs(16, 64, 8, 128, 16, [2048] * 15 + [1500], dtype=torch.float16, device="cuda", seed=5)
+    kw = dict(inp.as_kwargs(), tiling="mfma16")
+    for P in (256, 512, 1024):  # 8, 4, 2 partitions
+        n = 2048 // P
+        launch = ops.prepare(**kw, partition_size=P)
+        want = V.fused_default(arch, n) and not V.cluster_default(arch, n, 16, 8, sms)
+        assert launch.fused_reduce == want and (launch.reduce_args is None) == (want or launch.cluster > 0)
+        assert not ops.prepare(**kw, partition_size=P, shared_steps=True).fused_reduce
+        if not V.cluster_unsupported(arch, n):
+            assert not ops.prepare(**kw, partition_size=P, cluster_reduce=True).fused_reduce
+    ref = reference.paged_attention(**inp.as_kwargs())
+    tol = reference.REL_ERR_TOL[torch.float16]
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**kw, partition_size=256, out=out)
+    assert launch.fused_reduce == (arch in V.FUSED_AUTO_ARCHS)  # 8 partitions: the rule's case
+    for _ in range(3):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert reference.relative_error(out, ref, per_seq=True) <= tol
+    out = cpa.paged_attention(**kw, partition_size=256)
+    assert reference.relative_error(out, ref, per_seq=True) <= tol
 
 
 # Shared steps: the workgroups of each (sequence, KV head) take its steps from one counter.

@@ -139,6 +139,14 @@ def test_cluster_rules():
     assert not V.cluster_default("gfx942", 4, 1, 8, 304)  # no clusters on AMD
 
 
+def test_fused_reduce_rule():
+    # sm_90: the one-round combine where it saved time against the reduce launch (5-8 partitions)
+    lo, hi = V.FUSED_AUTO_PARTITIONS
+    assert (lo, hi) == (5, V.FUSED_ROUND) == (5, 8)
+    assert [n for n in range(1, 40) if V.fused_default("sm_90", n)] == [5, 6, 7, 8]
+    assert not any(V.fused_default(a, 8) for a in ("gfx942", "gfx90a", "sm_80", "sm_100"))  # not measured there
+
+
 def test_shared_steps_need_two_steps_per_wave():
     # 4 waves x 2 steps of the tiling's tokens per partition at least
     def v(platform, p, tiling="mfma16"):
