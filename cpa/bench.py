@@ -466,14 +466,19 @@ def _kernel_rows(df):
     return d, [k for k in SHAPE_KEYS if k in d]
 
 
-def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None, resident_per_sm=None):
+def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None, resident_per_sm=None,
+                    fused: bool = False):
     """What the shape-chosen default (cpa.variants BY_SHAPE) picks for each measured shape of a
     bench CSV or sweep table, and how its measured time compares with the shape's best.
 
     For each shape: the default tiling and the partition size cpa.occupancy.partition_by_wave_model
     picks (the launcher's rule: cpa.ops.select_variant), with the combine a default call takes
     where the table has the column (cluster_reduce per cpa.variants.cluster_default; a table
-    without it, as the sweeps, has reduce-launch rows only; no fused reduce, no shared steps). `resident_per_sm(variant) -> int` defaults to the occupancy of
+    without it, as the sweeps, has reduce-launch rows only; no shared steps). fused=True also
+    takes the fused reduce where cpa.variants.fused_default does (and the table has the row):
+    for tables of kernels with the one-round combine (f69733a on); the shipped H200 tables of
+    earlier commits hold the earlier combine's fused rows, so they are read without it.
+    `resident_per_sm(variant) -> int` defaults to the occupancy of
     the variant's row in the shipped ``data/static/<arch>.csv`` (the compiled registers and
     shared memory; cpa.occupancy.resident_workgroups). `compute_units` defaults to the arch's
     device (cpa.hardware). Returns one row per shape: the choice, its time, the best time of
@@ -498,9 +503,10 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
         def resident_per_sm(v):
             return O.resident_workgroups(arch, att.loc[v.name].to_dict(), spec)[0]
 
-    # a table without the column (the sweeps) timed every row with the reduce launch
-    has_cluster = "cluster_reduce" in df
+    # a table without cluster rows (the sweeps; a bench run with --no-cluster) timed every row
+    # with the reduce launch or the fused reduce
     d, keys = _kernel_rows(df)
+    has_cluster = bool(d.cluster_reduce.any())
     rows = []
     for key, g in d.groupby(keys):
         shape = dict(zip(keys, key))
@@ -518,15 +524,17 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
                                       head_size=int(shape["head_size"]), max_seq_len=L,
                                       kv_elem_bytes=1 if shape["kv_cache_dtype"] == "fp8" else 2,
                                       slots=per_sm * compute_units, compute_units=compute_units)
-        mine = g[(g.tiling == tiling) & (g.partition_size == p) & ~g.fused_reduce & ~g.shared_steps]
         cluster = V.cluster_default(arch, -(-L // p), S, kvh, compute_units) and has_cluster
-        mine = mine[mine.cluster_reduce == cluster]
+        mine = g[(g.tiling == tiling) & (g.partition_size == p) & ~g.shared_steps & (g.cluster_reduce == cluster)]
+        fused_here = fused and not cluster and V.fused_default(arch, -(-L // p)) and bool(mine.fused_reduce.any())
+        mine = mine[mine.fused_reduce == fused_here]
         best = g.loc[g.time_us.idxmin()]
         fz = "+fused" * bool(best.fused_reduce) + "+cluster" * bool(best.cluster_reduce) + \
             "+shared" * bool(best.shared_steps)
         t = float(mine.time_us.min()) if len(mine) else float("nan")
         rows.append(dict(shape, tiling=tiling, partition_size=p, candidates=tuple(cands), resident_per_sm=per_sm,
-                         workgroups=S * kvh * -(-L // p), cluster_reduce=bool(cluster), time_us=t,
+                         workgroups=S * kvh * -(-L // p), cluster_reduce=bool(cluster), fused_reduce=fused_here,
+                         time_us=t,
                          best=f"{best.tiling}/{int(best.partition_size)}{fz}", best_time_us=float(best.time_us),
                          slowdown=t / float(best.time_us)))
     return pd.DataFrame(rows)

@@ -167,10 +167,13 @@ def bench(
         if arch in V.SHAPE_MODELS:
             from . import ops
 
-            by_shape = B.by_shape_choice(df, arch, resident_per_sm=lambda v: ops.resident_per_sm(v, "cuda"))
+            # rows of this run's kernel: the default's combine as the launcher picks it today
+            by_shape = B.by_shape_choice(df, arch, resident_per_sm=lambda v: ops.resident_per_sm(v, "cuda"),
+                                         fused=True)
             print(f"\nthe {arch} default (partition size by shape, cpa.variants.BY_SHAPE): geomean "
                   f"{B.geomean(by_shape.slowdown):.3f}x the per-shape best, worst {by_shape.slowdown.max():.3f}x")
-            print(by_shape[["num_seqs", "max_seq_len", "tiling", "partition_size", "workgroups", "time_us", "best",
+            print(by_shape[["num_seqs", "max_seq_len", "tiling", "partition_size", "workgroups", "fused_reduce",
+                            "cluster_reduce", "time_us", "best",
                             "best_time_us", "slowdown"]].round(3).to_string(index=False))
     print(f"\nwrote {out}")
 

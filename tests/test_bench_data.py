@@ -161,3 +161,24 @@ def test_one_round_fused_combine_on_the_h100():
         assert med.loc[8, "fused_us"] < med.loc[8, "reduce_us"] - 0.7, (new_f, med)
         assert med.loc[32, "fused_us"] > med.loc[32, "reduce_us"], (new_f, med)
         assert (med.loc[[2, 4], "fused_us"] - med.loc[[2, 4], "reduce_us"]).abs().max() < 0.2, (new_f, med)
+
+
+def test_fused_default_rule_on_the_h100_tables():
+    """cpa.variants.fused_default (the fused reduce at 5-8 partitions on sm_90) is what those H100
+    tables say: with the rule the shape-chosen default comes closer to the per-shape best than
+    with the reduce launch everywhere, at every table of the one-round combine; on the H200
+    table of the earlier combine (2ae03da) the same rule would cost, which is why by_shape_choice
+    reads the shipped H200 tables without it."""
+    exp = CSV.parent / "experiments"
+    for name in ("h100-fused-combine-new-855c003.csv", "h100-fused-combine-lanes-new-f69733a.csv",
+                 "h100-fused-combine-repeat-new-74fe4ab.csv", "h100-fused-long-74fe4ab.csv"):
+        d = pd.read_csv(exp / name)
+        without, rule = B.by_shape_choice(d), B.by_shape_choice(d, fused=True)
+        assert rule.fused_reduce.any() and not without.fused_reduce.any(), name
+        assert (rule.time_us.notna()).all() and (rule.slowdown <= without.slowdown + 0.003).all(), name
+        assert B.geomean(rule.slowdown) <= B.geomean(without.slowdown), name
+        picked = rule[rule.fused_reduce]
+        parts = -(-picked.max_seq_len // picked.partition_size)
+        assert parts.between(*V.FUSED_AUTO_PARTITIONS).all(), name
+    old = pd.read_csv(exp / "h200-target2-shared-2ae03da.csv")
+    assert B.geomean(B.by_shape_choice(old, fused=True).slowdown) > B.geomean(B.by_shape_choice(old).slowdown)

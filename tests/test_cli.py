@@ -64,7 +64,7 @@ def test_bench_prints_the_shape_chosen_default(monkeypatch, tmp_path):
     res = CliRunner().invoke(app, ["bench", "--out", str(tmp_path / "b.csv")])
     assert res.exit_code == 0, res.output
     assert "best single (tiling, partition, combine)" in res.output
-    want = B.geomean(B.by_shape_choice(shipped).slowdown)
+    want = B.geomean(B.by_shape_choice(shipped, fused=True).slowdown)
     assert f"the sm_90 default (partition size by shape, cpa.variants.BY_SHAPE): geomean {want:.3f}x" in res.output
     assert asked and all(v.tiling == "mfma16" for v in asked)
     line = [ln.split() for ln in res.output.splitlines() if ln.split()[:2] == ["8", "32768"] and "mfma16" in ln]
