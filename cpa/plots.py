@@ -191,6 +191,33 @@ def sdpa_gap_bars(gap, *, source: str):
     return fig
 
 
+def combine_costs_by_partitions(costs: dict, *, source: str, auto_partitions: tuple[int, int] | None = None):
+    """What each combine adds to the attention kernel's own time (:func:`cpa.bench.combine_costs`
+    tables, one per label, e.g. two builds of an A/B), median over shapes against the number of
+    partitions: the fused reduce's column of each table, and the reduce launch of the first.
+    `auto_partitions` (lo, hi) shades the range where the default takes the fused reduce."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for i, (label, c) in enumerate(costs.items()):
+        med = c.groupby("num_partitions")[["reduce_us", "fused_us"]].median().sort_index()
+        if i == 0:
+            fig.add_trace(go.Scatter(x=med.index, y=med.reduce_us, mode="lines+markers", name="reduce launch",
+                                     line=dict(dash="dash", color="gray")))
+        fig.add_trace(go.Scatter(x=med.index, y=med.fused_us, mode="lines+markers", name=f"fused reduce, {label}"))
+    if auto_partitions:
+        lo, hi = auto_partitions
+        # (shapes take data coordinates on a log axis; annotations would not)
+        fig.add_vrect(x0=lo, x1=hi, fillcolor="green", opacity=0.08, line_width=0)
+    parts = sorted({int(n) for c in costs.values() for n in c.num_partitions})
+    fig.update_layout(height=420, xaxis=dict(title="partitions per sequence", **_pow2_axis(parts)),
+                      yaxis=dict(title="added to the attention kernel (us, median over shapes)", rangemode="tozero"),
+                      title=f"What combining the partitions costs ({source})"
+                      + ("<br><sup>shaded: the partition counts where the default takes the fused reduce</sup>"
+                         if auto_partitions else ""))
+    return fig
+
+
 def kv_dtype_bars(table, *, source: str):
     """:func:`cpa.analysis.kv_dtype_table` as grouped bars: the best time per shape with the
     16-bit and the fp8 KV cache, one group per (query dtype, batch x context); the label over

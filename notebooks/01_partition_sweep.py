@@ -125,6 +125,27 @@ with pd.option_context("display.precision", 3):
     display(gap)
 
 # %% [markdown]
+# ## Combining the partitions
+# Every partitioned launch pays for its combine once the attention kernel is done: the reduce
+# launch (a second kernel, started early by programmatic dependent launch) or the fused reduce
+# (the last workgroup of each sequence and KV head combines; one L2 round trip per 8
+# partitions since the one-round rewrite). `cpa.bench.combine_costs` subtracts the attention
+# kernel's own time from each. These A/Bs ran on an **H100** (no H200 could be had for them);
+# the fused reduce saves about a microsecond at 8 partitions, so the sm_90 default takes it at
+# 5-8 partitions (`cpa.variants.fused_default`) and the reduce launch elsewhere.
+
+# %%
+from cpa import variants as V
+
+ab = {"one round per 8 (today's)": "h100-fused-combine-repeat-new-74fe4ab.csv",
+      "the earlier combine": "h100-fused-combine-repeat-old-74fe4ab.csv"}
+ab = {k: pd.read_csv(B.TARGET2_CSV.parent / f) for k, f in ab.items()}
+costs = {k: B.combine_costs(d) for k, d in ab.items()}
+ab_src = (f"measured on {', '.join(sorted({n for d in ab.values() for n in d.device_name}))}, commit "
+          f"{', '.join(sorted({c[:7] for d in ab.values() for c in d.git_commit}))}")
+P.show(P.combine_costs_by_partitions(costs, source=ab_src, auto_partitions=V.FUSED_AUTO_PARTITIONS))
+
+# %% [markdown]
 # ## The other grids
 # `gqa-scan` holds the KV bytes fixed and raises the query heads per KV head from 1 to 16;
 # `head-size-scan` holds the KV bytes and the GQA ratio fixed and changes the head size;

@@ -182,3 +182,19 @@ def test_fused_default_rule_on_the_h100_tables():
         assert parts.between(*V.FUSED_AUTO_PARTITIONS).all(), name
     old = pd.read_csv(exp / "h200-target2-shared-2ae03da.csv")
     assert B.geomean(B.by_shape_choice(old, fused=True).slowdown) > B.geomean(B.by_shape_choice(old).slowdown)
+
+
+def test_combine_costs_figure():
+    """The notebook's combine figure: one reduce-launch line and one fused line per table, the
+    medians of cpa.bench.combine_costs, and the default's fused range shaded."""
+    pytest.importorskip("plotly")
+    from cpa import plots
+
+    exp = CSV.parent / "experiments"
+    costs = {k: B.combine_costs(pd.read_csv(exp / f"h100-fused-combine-repeat-{k}-74fe4ab.csv")) for k in ("new", "old")}
+    fig = plots.combine_costs_by_partitions(costs, source="t", auto_partitions=V.FUSED_AUTO_PARTITIONS)
+    assert [tr.name for tr in fig.data] == ["reduce launch", "fused reduce, new", "fused reduce, old"]
+    med = costs["new"].groupby("num_partitions").median(numeric_only=True)
+    assert list(fig.data[0].x) == list(med.index) == [2, 4, 8, 16, 32]
+    assert list(fig.data[1].y) == list(med.fused_us) and list(fig.data[0].y) == list(med.reduce_us)
+    assert fig.layout.shapes[0].x0 == 5 and fig.layout.shapes[0].x1 == 8
