@@ -137,7 +137,7 @@ class Launch:
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
             return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=None,
-            cluster_reduce=None, shared_steps=False) -> Launch:
+            cluster_reduce=None, shared_steps=False, _stream_counters=False) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
     fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
@@ -215,7 +215,11 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     kv_head_stride = D * shape.block_size * kv_elem
     kv_block_stride = shape.num_kv_heads * kv_head_stride
     # per-Launch counters: zeroed once, reset by the kernel itself, so graph replays reuse them
-    counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32, device=dev) if fused else None
+    # (paged_attention's one-shot launches share one buffer per stream instead: no memset per call)
+    counters = None
+    if fused:
+        counters = stream_counters(S * shape.num_kv_heads, dev) if _stream_counters else \
+            torch.zeros(S * shape.num_kv_heads, dtype=torch.int32, device=dev)
     # shared steps: (next ticket, waves done) per (sequence, KV head), reset the same way
     steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32, device=dev) if shared_steps else None
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
@@ -239,6 +243,30 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
 
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# The fused reduce's counters for launches that are made and run at once (paged_attention): one
+# zeroed buffer per (device, stream), grown as needed. Every launch that completes leaves its
+# counters at zero (the last workgroup resets them), and the launches of one stream never count
+# at once (stream order; with PDL the attention kernel waits for the previous grid before any
+# access), so they can share it -- where a fresh torch.zeros would cost a fill kernel per call.
+# A Launch from prepare() keeps counters of its own: it may be called on any stream. While a
+# stream is being captured into a CUDA graph the launch gets its own zeroed counters too (the
+# fill is captured with it): a graph may be replayed on any stream, beside any other.
+_counter_pool: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def stream_counters(n: int, device) -> torch.Tensor:
+    """n zeroed int32 counters from the current stream's shared buffer (see _counter_pool)."""
+    device = torch.device(device)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream)
+    buf = _counter_pool.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _counter_pool[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf[:n]
 
 
 _resident: dict[tuple, int] = {}
@@ -303,7 +331,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                      tiling=tiling, alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, out=out, return_intermediates=return_intermediates, max_seq_len=max_seq_len,
                      check_values=check_values, fused_reduce=fused_reduce, cluster_reduce=cluster_reduce,
-                     shared_steps=shared_steps)
+                     shared_steps=shared_steps, _stream_counters=True)
     launch()
     if return_intermediates:
         return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out

@@ -485,8 +485,34 @@ def test_fused_reduce_auto():
         launch()
         torch.cuda.synchronize()
         assert reference.relative_error(out, ref, per_seq=True) <= tol
-    out = cpa.paged_attention(**kw, partition_size=256)
+    if not launch.fused_reduce:
+        return
+    # paged_attention's one-shot launches share the stream's counters (no fill per call): each
+    # call leaves them at zero for the next, and another stream gets a buffer of its own
+    pool = ops.stream_counters(16 * 8, "cuda")
+    for _ in range(3):
+        out = cpa.paged_attention(**kw, partition_size=256)
+        assert reference.relative_error(out, ref, per_seq=True) <= tol
+        assert ops.stream_counters(16 * 8, "cuda").data_ptr() == pool.data_ptr()
+        assert int(pool.abs().sum()) == 0, "counters not left at zero"
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ops.stream_counters(16 * 8, "cuda").data_ptr() != pool.data_ptr()
+        out = cpa.paged_attention(**kw, partition_size=256)
+    torch.cuda.synchronize()
     assert reference.relative_error(out, ref, per_seq=True) <= tol
+    # captured into a CUDA graph: the launch's own counters, zeroed by the captured fill
+    static_out = torch.full_like(inp.query, float("nan"))
+    cap = dict(kw, partition_size=256, out=static_out, check_values=False, max_seq_len=2048)  # no host sync
+    cpa.paged_attention(**cap)  # warm-up (the build) outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cpa.paged_attention(**cap)
+    for _ in range(3):
+        static_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert reference.relative_error(static_out, ref, per_seq=True) <= tol
 
 
 # Shared steps: the workgroups of each (sequence, KV head) take its steps from one counter.
