@@ -451,3 +451,59 @@ def read_patterns(
     bad = df[(df.kind == "reader") & (df.get("verified", True) == False)]  # noqa: E712
     typer.echo(f"\nread ceiling this run {ceil['read_gbps']:.0f} GB/s; {len(bad)} reader rows failed the checksum")
     typer.echo(f"wrote {out}")
+
+
+@app.command("export")
+def export_tuned(
+    from_tables: Optional[str] = typer.Option(None, "--from", help="comma-separated measured tables (sweep parquet "
+                                              "or `cpa bench` CSV) of one arch: the tuned result is measured."),
+    model: Optional[str] = typer.Option(None, help="an arch (e.g. gfx942) to model instead: the H200-fitted wave "
+                                        "model on its compiled resources (cpa.export.from_model)."),
+    grid: str = typer.Option("llama70b-decode", help="with --model: the sweep grid whose shapes are modeled."),
+    fixed_cost_scale: float = typer.Option(1.0, help="with --model: the fixed costs x this (unknown off the H200)."),
+    tilings: Optional[str] = typer.Option(None, help="with --from: comma-separated tilings to choose from."),
+    partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes to choose from (e.g. "
+                                                  "the sizes a production build instantiates)."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="JSON file to write (atomically)."),
+    header_out: Optional[str] = typer.Option(None, "--header", help="C++ header to write (atomically)."),
+) -> None:
+    """Export tuned partition sizes for a production build: a JSON file (for the Python side:
+    cpa.export.lookup) and a C++17 header (cpa_tuned::partition_size and the sizes to
+    instantiate), from measured tables or, labelled so, from the wave model."""
+    from pathlib import Path
+
+    from . import export as E
+
+    if (from_tables is None) == (model is None):
+        raise typer.BadParameter("give exactly one of --from (measured tables) and --model (an arch to model)")
+    if not (json_out or header_out):
+        raise typer.BadParameter("give --json and / or --header: where to write the tuned result")
+    sizes = _ints(partition_sizes)
+    try:
+        if from_tables:
+            import pandas as pd
+
+            frames = []
+            for f in _strs(from_tables):
+                if not Path(f).is_file():
+                    raise ValueError(f"--from {f}: no such file")
+                frames.append(pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f))
+            tuned = E.from_table(pd.concat(frames, ignore_index=True), source=from_tables, tilings=_strs(tilings),
+                                 partition_sizes=sizes)
+        else:
+            if tilings:
+                raise ValueError("--tilings is for --from; a modeled export takes the arch's default tiling")
+            tuned = E.from_model(model, grid=grid, partition_sizes=sizes, fixed_cost_scale=fixed_cost_scale)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        raise typer.BadParameter(str(e)) from None
+    E.write(tuned, json_path=json_out, header_path=header_out)
+    typer.echo(f"# {tuned['provenance']['evidence_detail']}")
+    for c in tuned["configs"]:
+        typer.echo(f"gqa {c['gqa_ratio']:>2} head {c['head_size']:>3} block {c['block_size']:>2} {c['dtype']}/"
+                   f"{c['kv_cache_dtype']:<4}: {c['tiling']:<6} {len(c['entries']):>3} shapes, sizes "
+                   f"{sorted({e['partition_size'] for e in c['entries']})}; best single {c['fixed_partition_size']} "
+                   f"({c['fixed_geomean_slowdown']:.3f}x geomean, worst {c['fixed_worst_slowdown']:.3f}x)")
+    typer.echo(f"fallback {tuned['fallback_partition_size']}; instantiate {tuned['partition_sizes']}")
+    for f in (json_out, header_out):
+        if f:
+            typer.echo(f"wrote {f}")

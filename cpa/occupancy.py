@@ -544,23 +544,37 @@ def partition_by_wave_model(model: WaveModel, candidates, *, num_seqs: int, num_
     predicts fastest for one launch: `slots` attention workgroups resident at once on
     `compute_units` SMs/CUs, every sequence taken as max_seq_len long (the grid is). Ties go
     to the larger size (fewer partials to combine)."""
-    import math
-
     if not candidates:
         raise ValueError("partition_by_wave_model: no candidate partition sizes")
+    times = wave_model_times(model, candidates, num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             head_size=head_size, max_seq_len=max_seq_len, kv_elem_bytes=kv_elem_bytes, slots=slots,
+                             compute_units=compute_units)
+    best = None
+    for p, t in times.items():
+        if best is None or t <= best[0] * (1 + 1e-9):
+            best = (t, p)
+    return best[1]
+
+
+def wave_model_times(model: WaveModel, candidates, *, num_seqs: int, num_heads: int, num_kv_heads: int,
+                     head_size: int, max_seq_len: int, kv_elem_bytes: int, slots: int,
+                     compute_units: int) -> dict[int, float]:
+    """{partition size: modeled µs} of one launch for each of `candidates` (ascending), as
+    :func:`partition_by_wave_model` compares them."""
+    import math
+
     if slots < 1 or compute_units < 1:
         raise ValueError(f"partition_by_wave_model: slots={slots}, compute_units={compute_units}")
     kv = 2 * num_seqs * max_seq_len * num_kv_heads * head_size * kv_elem_bytes
-    best = None
+    out = {}
     for p in sorted(candidates):
         parts = math.ceil(max_seq_len / p)
         wg = num_seqs * num_kv_heads * parts
         one_way = num_seqs * num_heads * parts * (head_size + 2) * 4 if parts > 1 else 0
-        t = model.time_us(workgroups=wg, waves=math.ceil(wg / slots), compute_units=compute_units, partitions=parts,
-                          kv_bytes=kv, partials_written=one_way, partials_read=one_way, slots=slots)
-        if best is None or t <= best[0] * (1 + 1e-9):
-            best = (t, p)
-    return best[1]
+        out[p] = float(model.time_us(workgroups=wg, waves=math.ceil(wg / slots), compute_units=compute_units,
+                                     partitions=parts, kv_bytes=kv, partials_written=one_way,
+                                     partials_read=one_way, slots=slots))
+    return out
 
 
 def kv_bytes_of(g, elem: int = 2):
