@@ -203,3 +203,16 @@ def test_shipped_exports_are_current(name):
     h = (EXPORTS / f"{name}.h").read_text()
     body = lambda t: t[t.index("#pragma once"):]  # noqa: E731
     assert body(h) == body(E.to_header(shipped, json_name=f"{name}.json"))
+    # what data/export/README.md reads from them
+    cfg = next(c for c in shipped["configs"] if (c["gqa_ratio"], c["head_size"], c["dtype"], c["kv_cache_dtype"])
+               == (8, 128, "fp16", "auto"))
+    sizes = [e["partition_size"] for e in cfg["entries"]]
+    fixed = (cfg["fixed_partition_size"], f"{cfg['fixed_geomean_slowdown']:.3f}", f"{cfg['fixed_worst_slowdown']:.2f}")
+    readme = (EXPORTS / "README.md").read_text()
+    if name == "h200-measured":
+        assert fixed == (512, "1.099", "1.76") and len(sizes) == 58 and min(sizes) == 128 and max(sizes) == 8192
+    elif name == "mi300x-modeled":
+        assert fixed[:2] == (256, "1.148")
+    else:
+        assert fixed[:2] == (256, "1.047") and (sizes.count(256), sizes.count(512)) == (25, 31)
+    assert f"{fixed[1]}x" in readme
