@@ -207,6 +207,23 @@ print(f"MI300X, modeled: fixed 256 is {gain:.3f}x the model's per-shape choice (
 # The H200 numbers are measured rows, read through the rule; the MI300X line is a model on
 # compiled resources. The next H200 session times the default itself in `cpa bench` (its
 # closing table).
+#
+# ## Taking a tuned result to a production build
+# `cpa export` writes such a choice as a JSON file and a C++ header that answer the same lookup
+# (data/export/README.md). The one shipped for MI300X is the model above, restricted to the two
+# sizes upstream's ROCm dispatch instantiates, 256 and 512 (**modeled**; an MI300 sweep fed to
+# `cpa export --from` replaces it with measurements): the size it gives each shape, by (sequence,
+# KV head) pairs and context length.
+
+# %%
+from cpa import export as E
+
+tuned = E.load(B.TARGET2_CSV.parents[2] / "export" / "mi300x-modeled-256-512.json")
+(cfg,) = tuned["configs"]
+print(tuned["provenance"]["evidence_detail"])
+print(f"best single size {cfg['fixed_partition_size']}: {cfg['fixed_geomean_slowdown']:.3f}x the modeled "
+      f"per-shape choice (geometric mean), worst {cfg['fixed_worst_slowdown']:.2f}x")
+display(pd.DataFrame(cfg["entries"]).pivot(index="kv_seqs", columns="max_seq_len", values="partition_size"))
 
 # %% [markdown]
 # ## Explore the compiled tables
