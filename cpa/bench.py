@@ -101,12 +101,13 @@ def contiguous_kv(sets: DeviceSets, i: int, seq_len: int):
 
 
 def bench_config(*, tilings, partition_sizes, dtype_name, replays, sdpa, fused, cluster, shared,
-                 block_order) -> str:
+                 block_order, default=False) -> str:
     """The options that decide which rows a shape gets and how they are timed, as one JSON
     string stored in every row: a resumed run must continue with the same ones."""
     return json.dumps(dict(tilings=list(tilings), partition_sizes=[int(p) for p in partition_sizes],
                            dtype=dtype_name, replays=int(replays), sdpa=bool(sdpa), fused=bool(fused),
-                           cluster=bool(cluster), shared=bool(shared), block_order=block_order),
+                           cluster=bool(cluster), shared=bool(shared), block_order=block_order,
+                           **({"default": True} if default else {})),
                       sort_keys=True)
 
 
@@ -138,9 +139,11 @@ def resume_state(out_csv, config: str, commit: str):
 
 def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=None, dtype_name="fp16",
         replays=30, sdpa=True, fused=True, cluster=True, shared=True, out_csv=None, progress=True,
-        block_order="shuffled", resume=False):
+        block_order="shuffled", resume=False, default=True):
     """``resume``: keep the shapes already in ``out_csv`` (same options, same commit) and
-    measure the others -- a bench longer than one sitting (or a device call) runs in pieces."""
+    measure the others -- a bench longer than one sitting (or a device call) runs in pieces.
+    ``default``: one more row per shape, ``default_path`` True: the launch with partition size,
+    tiling and combine all left to the launcher (its choices in the row's columns)."""
     import torch
 
     from . import ceilings, reference, variants as V
@@ -159,7 +162,8 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
         raise ValueError(f"dtype_name={dtype_name!r}: expected 'fp16' or 'bf16'")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
     config = bench_config(tilings=tilings, partition_sizes=partition_sizes, dtype_name=dtype_name, replays=replays,
-                          sdpa=sdpa, fused=fused, cluster=cluster, shared=shared, block_order=block_order)
+                          sdpa=sdpa, fused=fused, cluster=cluster, shared=shared, block_order=block_order,
+                          default=default)
     old, done = resume_state(out_csv, config, git_commit()) if resume else (None, set())
     if done and all((b, c) in done for b in batches for c in contexts):
         print(f"# {out_csv}: every shape already measured (nothing to resume)")
@@ -183,7 +187,8 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(shapes) * (len(tilings) * len(partition_sizes) * len(modes) + int(sdpa)), desc="bench",
+        bar = tqdm(total=len(shapes) * (len(tilings) * len(partition_sizes) * len(modes) + int(sdpa) + int(default)),
+                   desc="bench",
                    unit="run")
     for b, ctx in shapes:
         sets = make_sets(b, ctx, dtype=dtype, block_order=block_order, **LLAMA70B)
@@ -195,37 +200,29 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                      block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
         ref = reference.paged_attention(**args0)
         tol = reference.REL_ERR_TOL[dtype]
-        for tiling, P, (fz, cl, sh) in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
-            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz, cluster_reduce=cl, shared_steps=sh)
-            # one partition: nothing to fuse or share; a cluster only where the arch and partition
-            # count allow; shared steps where the partition has two steps per wave
-            if ((fz or sh) and math.ceil(ctx / P) == 1) or (cl and V.cluster_unsupported(arch, math.ceil(ctx / P))) \
-                    or (sh and _shared_unsupported(tiling, P, platform)):
-                if bar:
-                    bar.update(1)
-                continue
+        def measure(row, **how):
+            """Prepare one launch per input set as `how` says, verify set 0 against the
+            reference, time them (graph replay) and fill `row`; the first Launch."""
             try:
                 launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache,
-                                    block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale,
-                                    partition_size=P, tiling=tiling, max_seq_len=ctx, check_values=(i == 0),
-                                    fused_reduce=fz, cluster_reduce=cl, shared_steps=sh)
+                                    block_tables=bt, seq_lens=sets.seq_lens, scale=sets.scale, max_seq_len=ctx,
+                                    check_values=(i == 0), **how)
                             for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
             except ValueError as e:  # not a variant of this platform
                 row.update(error=str(e))
-                rows.append(row)
-                if bar:
-                    bar.update(1)
-                continue
+                return None
             out0 = launches[0]()
             torch.cuda.synchronize()
             err = reference.relative_error(out0, ref, per_seq=True)
-            k = launches[0].kernel
+            first = launches[0]
+            k = first.kernel
+            in_kernel = first.fused_reduce or first.cluster > 0
             t_all = time_graph([l.__call__ for l in launches], replays=replays)
-            t_attn = t_all if (fz or cl) else time_graph([l.attention for l in launches], replays=replays)
+            t_attn = t_all if in_kernel else time_graph([l.attention for l in launches], replays=replays)
             t_red = time_graph([l.reduce for l in launches], replays=replays) \
-                if launches[0].reduce_args is not None else None
-            S, H, D, NP = b, LLAMA70B["num_heads"], LLAMA70B["head_size"], launches[0].num_partitions
-            partial_bytes = 0 if (NP == 1 or cl) else 2 * S * H * NP * (D + 2) * 4
+                if first.reduce_args is not None else None
+            S, H, D, NP = b, LLAMA70B["num_heads"], LLAMA70B["head_size"], first.num_partitions
+            partial_bytes = 0 if (NP == 1 or first.cluster) else 2 * S * H * NP * (D + 2) * 4
             total_bytes = sets.kv_bytes_per_set + 2 * S * H * D * 2 + partial_bytes
             row.update(t_all.as_dict(), attn_time_us=t_attn.median_us,
                        reduce_time_us=t_red.median_us if t_red else 0.0, num_partitions=NP,
@@ -233,8 +230,32 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
                        verified=bool(err <= tol), max_rel_err=err, build_from_cache=k.from_cache,
                        build_seconds=k.build_seconds)
             row["frac_peak_bw"] = row["gbps"] / read_gbps
+            return first
+
+        for tiling, P, (fz, cl, sh) in [(t, p, f) for t in tilings for p in partition_sizes for f in modes]:
+            row = dict(base, tiling=tiling, partition_size=P, fused_reduce=fz, cluster_reduce=cl, shared_steps=sh,
+                       default_path=False)
+            # one partition: nothing to fuse or share; a cluster only where the arch and partition
+            # count allow; shared steps where the partition has two steps per wave
+            if ((fz or sh) and math.ceil(ctx / P) == 1) or (cl and V.cluster_unsupported(arch, math.ceil(ctx / P))) \
+                    or (sh and _shared_unsupported(tiling, P, platform)):
+                if bar:
+                    bar.update(1)
+                continue
+            measure(row, partition_size=P, tiling=tiling, fused_reduce=fz, cluster_reduce=cl, shared_steps=sh)
             rows.append(row)
-            del launches
+            if bar:
+                bar.update(1)
+        if default:
+            # the launch a caller gets with no choice made (partition_size, tiling and the
+            # combine all None): what the launcher picks, measured rather than read off the rows
+            row = dict(base, default_path=True)
+            first = measure(row)
+            if first is not None:
+                row.update(tiling=first.kernel.variant.tiling, partition_size=first.shape.partition_size,
+                           fused_reduce=bool(first.fused_reduce), cluster_reduce=first.cluster > 0,
+                           shared_steps=False)
+            rows.append(row)
             if bar:
                 bar.update(1)
         if sdpa:
@@ -340,7 +361,8 @@ def summary_table(df):
     """One line per shape: the best CPA variant, the fixed 256 choice, SDPA."""
     import pandas as pd
 
-    ok = df[df.get("error").isna()] if "error" in df else df
+    ok = _explicit(df)
+    ok = ok[ok.get("error").isna()] if "error" in ok else ok
     lines = []
     for (b, ctx), g in ok.groupby(["num_seqs", "max_seq_len"]):
         cpa_rows = g[g.tiling != "sdpa_cudnn"]
@@ -426,7 +448,8 @@ def best_fixed_choice(df):
     import numpy as np
     import pandas as pd
 
-    d = df[(df.tiling != "sdpa_cudnn") & df.time_us.notna()].copy()
+    d = _explicit(df)
+    d = d[(d.tiling != "sdpa_cudnn") & d.time_us.notna()].copy()
     modes = ["fused_reduce", "cluster_reduce", "shared_steps"]
     for col in modes:
         if col not in d:
@@ -453,12 +476,52 @@ SHAPE_KEYS = ("num_seqs", "max_seq_len", "num_heads", "num_kv_heads", "head_size
               "kv_cache_dtype", "seq_lens_dist")
 
 
+def _explicit(df):
+    """The rows of variants named by the bench (without the `default_path` rows: those repeat
+    one of them, chosen by the launcher)."""
+    if "default_path" not in df:
+        return df
+    return df[~df.default_path.fillna(False).astype(bool)]
+
+
+def default_path(df):
+    """The measured default per shape of a bench CSV with `default_path` rows: what the launcher
+    picked (tiling, partition size, combine), its time, the shape's best named variant and
+    slowdown = default / best, and vs_sdpa = SDPA time / default time where the table has SDPA."""
+    import pandas as pd
+
+    if "default_path" not in df:
+        return pd.DataFrame()
+    dflt = df[df.default_path.fillna(False).astype(bool) & df.time_us.notna()]
+    if "verified" in dflt:
+        dflt = dflt[dflt.verified.fillna(False).astype(bool)]
+    d, _ = _kernel_rows(df)
+    sdpa = df[df.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    rows = []
+    for _, r in dflt.iterrows():
+        g = d[(d.num_seqs == r.num_seqs) & (d.max_seq_len == r.max_seq_len)]
+        if not len(g):
+            continue
+        best = g.loc[g.time_us.idxmin()]
+        fz = "+fused" * _flag(best, "fused_reduce") + "+cluster" * _flag(best, "cluster_reduce") + \
+            "+shared" * _flag(best, "shared_steps")
+        key = (r.num_seqs, r.max_seq_len)
+        rows.append(dict(num_seqs=int(r.num_seqs), max_seq_len=int(r.max_seq_len), tiling=r.tiling,
+                         partition_size=int(r.partition_size), fused_reduce=_flag(r, "fused_reduce"),
+                         cluster_reduce=_flag(r, "cluster_reduce"), time_us=float(r.time_us),
+                         best=f"{best.tiling}/{int(best.partition_size)}{fz}", best_time_us=float(best.time_us),
+                         slowdown=float(r.time_us) / float(best.time_us),
+                         vs_sdpa=float(sdpa.loc[key]) / float(r.time_us) if key in sdpa.index else float("nan")))
+    return pd.DataFrame(rows)
+
+
 def _kernel_rows(df):
     """(the verified, timed CPA rows of a bench CSV or sweep table with the three combine
     flags as booleans, False where the table lacks one; the shape keys the table has)."""
     from . import variants as V
 
-    d = df[(df.tiling != "sdpa_cudnn") & df.tiling.isin(V.TILINGS) & df.time_us.notna()].copy()
+    d = _explicit(df)
+    d = d[(d.tiling != "sdpa_cudnn") & d.tiling.isin(V.TILINGS) & d.time_us.notna()].copy()
     if "verified" in d:
         d = d[d.verified.fillna(False).astype(bool)]
     for col in ("fused_reduce", "cluster_reduce", "shared_steps"):

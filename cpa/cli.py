@@ -127,6 +127,8 @@ def bench(
                                  "partitions)."),
     shared: bool = typer.Option(True, help="also time each variant with shared steps (the workgroups of a "
                                 "sequence take its steps from one counter)."),
+    default: bool = typer.Option(True, help="also time, per shape, the launch with partition size, tiling and "
+                                 "combine left to the launcher (a default_path row)."),
     block_order: str = typer.Option("shuffled", help="physical block order of each sequence: 'shuffled' "
                                     "(random, as an allocator leaves it) or 'sequential' (what paging costs)."),
     resume: bool = typer.Option(False, help="keep the shapes already in OUT (written by the same options and "
@@ -144,12 +146,14 @@ def bench(
     try:
         df, ceil = B.run(batches=_ints(batches), contexts=_ints(contexts), tilings=_strs(tilings),
                          partition_sizes=_ints(partition_sizes), replays=replays, sdpa=sdpa, fused=fused,
-                         cluster=cluster, shared=shared, out_csv=out, block_order=block_order, resume=resume)
+                         cluster=cluster, shared=shared, out_csv=out, block_order=block_order, resume=resume,
+                         default=default)
     except ValueError as e:  # options or OUT refused before any GPU work
         raise typer.BadParameter(str(e)) from None
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 500):
-        cols = ["tiling", "partition_size", "fused_reduce", "cluster_reduce", "shared_steps", "num_seqs", "max_seq_len", "time_us", "attn_time_us",
-                "reduce_time_us", "gbps", "frac_peak_bw", "verified"]
+        cols = ["tiling", "partition_size", "fused_reduce", "cluster_reduce", "shared_steps", "default_path",
+                "num_seqs", "max_seq_len", "time_us", "attn_time_us", "reduce_time_us", "gbps", "frac_peak_bw",
+                "verified"]
         full = df[[c for c in cols if c in df]].copy()
         print(full.round(3).to_string(index=False))
         print()
@@ -175,6 +179,11 @@ def bench(
             print(by_shape[["num_seqs", "max_seq_len", "tiling", "partition_size", "workgroups", "fused_reduce",
                             "cluster_reduce", "time_us", "best",
                             "best_time_us", "slowdown"]].round(3).to_string(index=False))
+        measured = B.default_path(df)
+        if len(measured):
+            print(f"\nthe default launch itself, measured (partition_size, tiling and combine None): geomean "
+                  f"{B.geomean(measured.slowdown):.3f}x the per-shape best, worst {measured.slowdown.max():.3f}x")
+            print(measured.round(3).to_string(index=False))
     print(f"\nwrote {out}")
 
 

@@ -46,7 +46,8 @@ def _measured_rows(df, tilings=None, partition_sizes=None):
     if "error" in d:
         d = d[d.error.isna()]
     d = d[d.time_us.notna() & d.verified.fillna(False).astype(bool)]
-    for col in ("fused_reduce", "cluster_reduce", "shared_steps"):  # bench CSVs: the in-kernel combines out
+    for col in ("fused_reduce", "cluster_reduce", "shared_steps", "default_path"):  # bench CSVs: the in-kernel
+        # combines out, and the launcher's own picks (they repeat a named row)
         if col in d:
             d = d[~d[col].fillna(False).astype(bool)]
     if "seq_lens_dist" in d:  # a table keyed by max_seq_len: sequences all of that length

@@ -276,7 +276,7 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     if kernel_rows and kv_cache_dtype == "auto":
         kr, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
                       replays=30, sdpa=True, fused=False, cluster=False, shared=False, progress=False,
-                      block_order=block_order)
+                      block_order=block_order, default=False)
         kr = kr.rename(columns={"tiling": "pattern"}).assign(kind="kernel")
         keep = [c for c in ("pattern", "partition_size", "num_seqs", "max_seq_len", "time_us", "time_us_p25",
                             "time_us_p75", "gbps", "frac_peak_bw", "verified", "kind", "block_order") if c in kr]

@@ -19,7 +19,7 @@ fi
 # GPU tests with them and benches them ($OUT/ab-TAG-on.csv); ab_off TAG benches the default build
 # right after ($OUT/ab-TAG-off.csv). The bench covers the tilings with matrix cores at P 256-1024
 # (CPA_AB_ARGS adds options).
-AB_BENCH="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 --no-sdpa"
+AB_BENCH="--tilings mfma16,mfma4 --no-fused --partition-sizes 256,512,1024 --no-sdpa --no-default"
 ab_on() {
   local F="$1" tag="$2" A="$AB_BENCH ${CPA_AB_ARGS:-}"
   CPA_NVCC_FLAGS="$F" $PY -m cpa.jobs tests 2>&1 | grep -v "it/s\|variant/s" | tail -2
@@ -245,8 +245,10 @@ PYEOF
       }
       t0=$SECONDS; for_each_arm arm_prebuild; wait; echo "all arms prebuilt in $((SECONDS - t0)) s"
       arm_bench() {
-        CPA_NVCC_FLAGS="$1" CPA_COMMAND="CPA_NVCC_FLAGS='$1' python3 -m cpa bench ${CPA_AB_ARGS:-}" \
-          timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench ${CPA_AB_ARGS:-} --out "$OUT/arm-$2.csv" 2>&1 \
+        # (no default_path rows unless CPA_AB_ARGS asks: the launcher's pick may be a variant the
+        # arm did not prebuild, compiled inside the arm's timeout)
+        CPA_NVCC_FLAGS="$1" CPA_COMMAND="CPA_NVCC_FLAGS='$1' python3 -m cpa bench --no-default ${CPA_AB_ARGS:-}" \
+          timeout ${CPA_ARM_TIMEOUT:-150} $PY -m cpa bench --no-default ${CPA_AB_ARGS:-} --out "$OUT/arm-$2.csv" 2>&1 \
           | grep -A14 "best_us" | head -14
       }
       for_each_arm arm_bench
@@ -271,7 +273,7 @@ PYEOF
         (cd "$d" && CPA_GIT_COMMIT=$rev PYTHONPATH="$PWD" timeout 200 $PY -m cpa bench --tilings mfma16 --no-sdpa \
           ${CPA_AB_ARGS:-} --out "$OUT/ab-$rev.csv" 2>&1 | grep -A25 "best_us" | head -20)
       done
-      timeout 200 $PY -m cpa bench --tilings mfma16 --no-sdpa --no-fused ${CPA_AB_ARGS:-} --out "$OUT/ab-head.csv" 2>&1 \
+      timeout 200 $PY -m cpa bench --tilings mfma16 --no-sdpa --no-fused --no-default ${CPA_AB_ARGS:-} --out "$OUT/ab-head.csv" 2>&1 \
         | grep -A25 "best_us" | head -20
       ;;
     sweep:*)
@@ -325,7 +327,9 @@ PYEOF
       # (CPA_T2_BATCHES / CPA_T2_CONTEXTS: e.g. 3,5,6,7, where no power-of-two partition fills the
       # SMs; CPA_T2_ARGS=--shared then adds the shared-steps rows, the last flag given wins)
       V="--tilings mfma16,mfma4 --partition-sizes 512,1024,2048,4096,8192"
-      $PY -m cpa prebuild --grid bench $V 2>&1 | grep "prebuild:"
+      # (and the smaller mfma16 sizes the default_path rows may pick)
+      $PY -m cpa prebuild --grid bench --tilings mfma16,mfma4 --partition-sizes 128,256,512,1024,2048,4096,8192 2>&1 \
+        | grep "prebuild:"
       bench_rows h200-target2.csv ${CPA_T2_TIMEOUT:-540} 40 \
         --batches ${CPA_T2_BATCHES:-1,2,4,8} --contexts ${CPA_T2_CONTEXTS:-8192,16384,32768,65536,131072} \
         $V --no-shared ${CPA_T2_ARGS:-}

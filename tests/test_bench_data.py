@@ -198,3 +198,24 @@ def test_combine_costs_figure():
     assert list(fig.data[0].x) == list(med.index) == [2, 4, 8, 16, 32]
     assert list(fig.data[1].y) == list(med.fused_us) and list(fig.data[0].y) == list(med.reduce_us)
     assert fig.layout.shapes[0].x0 == 5 and fig.layout.shapes[0].x1 == 8
+
+
+def test_default_path_rows_are_read_apart():
+    """A bench CSV's default_path rows (the launcher's own pick, timed) never count as a named
+    variant (best fixed choice, by-shape reading, summary) and cpa.bench.default_path reads them
+    against the shape's best named row and SDPA."""
+    def row(tiling, p, t, **kw):
+        return dict(dict(tiling=tiling, partition_size=p, num_seqs=1, max_seq_len=8192, time_us=t, verified=True,
+                         frac_peak_bw=0.9, fused_reduce=False, cluster_reduce=False, shared_steps=False,
+                         default_path=False), **kw)
+    d = pd.DataFrame([row("mfma16", 512, 10.0), row("mfma16", 1024, 11.0),
+                      row("mfma16", 1024, 9.0, fused_reduce=True, default_path=True),  # faster than any named row
+                      dict(row("sdpa_cudnn", 0, 10.5), fused_reduce=None, default_path=None)])
+    choice, table = B.best_fixed_choice(d)
+    assert (choice["partition_size"], choice["fused_reduce"]) == (512, False) and table.shapes.max() == 1
+    assert B.summary_table(d).best.tolist() == ["mfma16/512"]
+    assert len(B._kernel_rows(d)[0]) == 2
+    m = B.default_path(d)
+    assert len(m) == 1 and m.partition_size[0] == 1024 and bool(m.fused_reduce[0])
+    assert m.best[0] == "mfma16/512" and abs(m.slowdown[0] - 0.9) < 1e-9 and abs(m.vs_sdpa[0] - 10.5 / 9.0) < 1e-9
+    assert B.default_path(d.drop(columns="default_path")).empty

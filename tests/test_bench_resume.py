@@ -15,7 +15,7 @@ from cpa.provenance import git_commit
 OPTS = dict(tilings=("mfma16",), partition_sizes=(256,), dtype_name="fp16", replays=5, sdpa=True, fused=False,
             cluster=False, shared=False, block_order="shuffled")
 RUN_OPTS = dict(batches=(1,), contexts=(512, 2048), tilings=("mfma16",), partition_sizes=(256,), replays=5,
-                sdpa=True, fused=False, cluster=False, shared=False, progress=False)
+                sdpa=True, fused=False, cluster=False, shared=False, progress=False, default=False)
 
 
 def _rows(config, commit, shapes=((1, 512),)):
@@ -33,7 +33,7 @@ def test_config_names_every_option_that_changes_the_rows():
     base = B.bench_config(**OPTS)
     for key, other in (("tilings", ("mfma4",)), ("partition_sizes", (512,)), ("dtype_name", "bf16"),
                        ("replays", 30), ("sdpa", False), ("fused", True), ("cluster", True), ("shared", True),
-                       ("block_order", "sequential")):
+                       ("block_order", "sequential"), ("default", True)):
         assert B.bench_config(**{**OPTS, key: other}) != base, key
     assert B.bench_config(**OPTS) == base  # deterministic (stored in every row, compared as text)
 
@@ -79,7 +79,7 @@ def test_cli_resume_refusal_is_a_usage_error(tmp_path):
     _rows(B.bench_config(**OPTS), "0" * 40).to_csv(out, index=False)
     res = CliRunner().invoke(app, ["bench", "--out", str(out), "--batches", "1", "--contexts", "512,2048",
                                    "--tilings", "mfma16", "--partition-sizes", "256", "--replays", "5",
-                                   "--no-fused", "--no-cluster", "--no-shared", "--resume"])
+                                   "--no-fused", "--no-cluster", "--no-shared", "--no-default", "--resume"])
     assert res.exit_code == 2, res.output
     assert "one commit" in " ".join(res.output.replace("│", " ").split())  # the error box wraps lines
 
@@ -112,3 +112,25 @@ def test_resume_measures_only_the_missing_shapes(tmp_path):
     assert on_disk.verified.all()
     again, _ = B.run(**RUN_OPTS, out_csv=out, resume=True)  # nothing left: no GPU work, same table
     assert len(again) == len(both)
+
+
+@pytest.mark.gpu
+def test_bench_default_path_row_is_the_launchers_pick():
+    """`cpa bench` times, per shape, the launch with nothing chosen; its row names what the
+    launcher picked (the same prepare() gives), and it is verified like every row."""
+    from cpa.bench import LLAMA70B, make_sets
+    from cpa.ops import prepare
+
+    df, _ = B.run(batches=(2,), contexts=(4096,), tilings=("mfma16",), partition_sizes=(256,), replays=5, sdpa=False,
+                  fused=False, cluster=False, shared=False, progress=False, default=True)
+    d = df[df.default_path.fillna(False).astype(bool)]
+    assert len(d) == 1 and len(df) == 2 and bool(d.verified.iloc[0])
+    import torch
+
+    sets = make_sets(2, 4096, dtype=torch.float16, **LLAMA70B)
+    launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
+                     block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
+    r = d.iloc[0]
+    assert (r.tiling, int(r.partition_size), bool(r.fused_reduce), bool(r.cluster_reduce)) == \
+        (launch.kernel.variant.tiling, launch.shape.partition_size, launch.fused_reduce, launch.cluster > 0)
+    assert len(B.default_path(df)) == 1
