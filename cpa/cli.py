@@ -487,8 +487,8 @@ def export_tuned(
         raise typer.BadParameter("give exactly one of --from (measured tables) and --model (an arch to model)")
     if not (json_out or header_out):
         raise typer.BadParameter("give --json and / or --header: where to write the tuned result")
-    sizes = _ints(partition_sizes)
     try:
+        sizes = _ints(partition_sizes)
         if from_tables:
             import pandas as pd
 
@@ -496,7 +496,10 @@ def export_tuned(
             for f in _strs(from_tables):
                 if not Path(f).is_file():
                     raise ValueError(f"--from {f}: no such file")
-                frames.append(pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f))
+                try:
+                    frames.append(pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f))
+                except Exception as e:  # not a table at all
+                    raise ValueError(f"--from {f}: not a sweep parquet or bench CSV ({type(e).__name__}: {e})")
             tuned = E.from_table(pd.concat(frames, ignore_index=True), source=from_tables, tilings=_strs(tilings),
                                  partition_sizes=sizes)
         else:

@@ -42,6 +42,11 @@ def _measured_rows(df, tilings=None, partition_sizes=None):
     launcher has): a sweep table or a `cpa bench` CSV."""
     from . import variants as V
 
+    need = ["tiling", "partition_size", "num_seqs", "num_heads", "num_kv_heads", "head_size", "block_size", "dtype",
+            "kv_cache_dtype", "max_seq_len", "time_us", "verified"]
+    missing = [c for c in need if c not in df]
+    if missing:
+        raise ValueError(f"not a sweep table or bench CSV: no column {', '.join(missing)}")
     d = df[df.tiling.isin(V.TILINGS)].copy()
     if "error" in d:
         d = d[d.error.isna()]

@@ -180,7 +180,10 @@ def test_cli_export(tmp_path):
     for bad, msg in ((["--model", "gfx942", "--from", "x.csv", "--json", "j"], "exactly one"),
                      (["--model", "gfx942"], "--json and / or --header"),
                      (["--from", str(tmp_path / "none.csv"), "--json", "j"], "no such file"),
-                     (["--model", "gfx942", "--tilings", "mfma4", "--json", "j"], "--tilings is for --from")):
+                     (["--model", "gfx942", "--tilings", "mfma4", "--json", "j"], "--tilings is for --from"),
+                     (["--from", str(SWEEPS / "h200-ceilings.json"), "--json", "j"], "no column"),
+                     (["--model", "gfx942", "--partition-sizes", "abc", "--json", "j"], "invalid literal"),
+                     (["--model", "gfx999", "--json", "j"], "gfx999")):
         r = CliRunner().invoke(app, ["export", *bad])
         assert r.exit_code != 0 and msg in r.output, (bad, r.output)
 
