@@ -100,6 +100,18 @@ def sweep_results(grid: str, *, mode: str | None = None, progress: bool = True, 
     return SweepData(grid, df, "shipped", path, meta["runs"])
 
 
+def sweep_tables(mode: str | None = None) -> tuple[str, list[Path]]:
+    """("live" | "shipped", the sweep parquets that source holds): the live tables of this GPU
+    under build/sweeps (those the notebooks ran), else the shipped H200 ones -- the same choice
+    as :func:`sweep_results`, without running anything."""
+    mode = (mode or os.environ.get("CPA_DATA") or "auto").lower()
+    if mode not in ("auto", "live", "shipped"):
+        raise ValueError(f"CPA_DATA / mode={mode!r}: expected auto, live or shipped")
+    if mode == "live" or (mode == "auto" and has_gpu()):
+        return "live", sorted(LIVE.glob(f"{_device_slug()}-*.parquet")) if has_gpu() else []
+    return "shipped", sorted(SHIPPED.glob("h200-*.parquet"))
+
+
 def shipped_sweep_at(grid: str, commits) -> SweepData:
     """The shipped table of a grid whose CPA rows were measured at one of ``commits`` (full or
     abbreviated hashes): the current file, else the earlier run kept in data/sweeps/experiments.

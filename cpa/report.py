@@ -109,17 +109,53 @@ def build_report(out: str | os.PathLike = DEFAULT_OUT, *, notebooks: list[Path] 
         secs = time.perf_counter() - t0
         pages.append(Page(Path(src).stem, _title(nb, Path(src).stem), page, secs, error))
         echo(f"report: {src.name} -> {out / page} ({secs:.1f} s){' FAILED: ' + error if error else ''}")
-    _atomic_write(out / "index.html", _index(pages, banner))
+    tuned = write_tuned(out / "tuned", echo=echo)
+    _atomic_write(out / "index.html", _index(pages, banner, tuned))
     echo(f"report: {out / 'index.html'}")
     return pages
 
 
-def _index(pages: list[Page], banner: str) -> str:
+def write_tuned(folder: Path, *, echo=print) -> list[dict]:
+    """`cpa export` of what the report read: the sweep tables of this run (live on a GPU, else
+    the shipped H200 ones) as a measured export, and MI300X (gfx942) modeled; one JSON and one
+    header each under `folder`. Returns what was written (name, files, evidence)."""
+    import pandas as pd
+
+    from . import analysis as A
+    from . import export as E
+    from .sweep import read_results
+
+    made = []
+    source, tables = A.sweep_tables()
+    jobs = []
+    if tables:
+        frames = [read_results(t)[0] for t in tables]
+        rel = ", ".join(str(t.relative_to(ROOT)) if t.is_relative_to(ROOT) else str(t) for t in tables)
+        jobs.append((f"{source}-measured", lambda: E.from_table(pd.concat(frames, ignore_index=True), source=rel)))
+    jobs.append(("mi300x-modeled", lambda: E.from_model("gfx942")))
+    for name, make in jobs:
+        try:
+            tuned = make()
+        except (ValueError, KeyError) as e:  # e.g. live tables with no verified row yet
+            echo(f"report: no {name} export ({e})")
+            continue
+        E.write(tuned, json_path=folder / f"{name}.json", header_path=folder / f"{name}.h")
+        made.append(dict(name=name, json=f"tuned/{name}.json", header=f"tuned/{name}.h",
+                         evidence=tuned["provenance"]["evidence_detail"]))
+        echo(f"report: {folder / name}.json / .h ({tuned['evidence']})")
+    return made
+
+
+def _index(pages: list[Page], banner: str, tuned: list[dict] | None = None) -> str:
     items = "\n".join(
         f'<li><a href="{html.escape(p.html)}">{html.escape(p.title)}</a> '
         f'<span class="meta">({p.seconds:.0f} s{", <b>failed</b>: " + html.escape(p.error) if p.error else ""})'
         f"</span></li>" for p in pages)
     note = html.escape(banner.lstrip("> ").replace("**", "").replace("`", ""))
+    tuned_items = "\n".join(
+        f'<li><a href="{html.escape(t["json"])}">{html.escape(t["name"])}.json</a>, '
+        f'<a href="{html.escape(t["header"])}">{html.escape(t["name"])}.h</a>: '
+        f'<span class="meta">{html.escape(t["evidence"])}</span></li>' for t in (tuned or [])) or "<li>none</li>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>cpa report</title>
 <style>body{{font-family:system-ui,sans-serif;max-width:52em;margin:2em auto;line-height:1.5}}
@@ -131,5 +167,11 @@ were obtained: <b>measured</b> (on the GPU named in it), <b>compiled</b> (ISA an
 or <b>modeled</b>. No MI300 number here is a measurement.</p>
 <ul>
 {items}
+</ul>
+<h2>Tuned parameters (<code>cpa export</code>)</h2>
+<p>Partition sizes for a production build, as JSON (<code>cpa.export.lookup</code>) and a C++17 header
+(<code>cpa_tuned::partition_size</code>); <code>data/export/README.md</code> says how to use them.</p>
+<ul>
+{tuned_items}
 </ul></body></html>
 """

@@ -141,3 +141,21 @@ def test_report_pages(report):
     occ = (out / "02_occupancy.html").read_text()
     assert "compiled: clang-19 gfx942, nvcc sm_90" in occ and "MI300X modeled" in occ
     assert "MI300X measured" not in occ and "measured on AMD" not in occ
+
+
+def test_report_exports_the_tuned_parameters(report):
+    """`cpa report` ends with `cpa export` of what it read: the shipped H200 sweeps (no GPU: a
+    measured export equal to data/export/h200-measured.json) and MI300X modeled, linked from
+    the index with how each was obtained."""
+    from cpa import export as E
+
+    out, _ = report
+    index = (out / "index.html").read_text()
+    measured, modeled = E.load(out / "tuned" / "shipped-measured.json"), E.load(out / "tuned" / "mi300x-modeled.json")
+    assert measured["evidence"] == "measured" and modeled["evidence"] == "modeled"
+    assert measured["configs"] == E.load(ROOT / "data" / "export" / "h200-measured.json")["configs"]
+    for name in ("shipped-measured", "mi300x-modeled"):
+        assert f'href="tuned/{name}.json"' in index and f'href="tuned/{name}.h"' in index
+        assert (out / "tuned" / f"{name}.h").read_text().count("namespace cpa_tuned {") == 1
+    assert "modeled for gfx942 (AMD Instinct MI300X), not measured there" in index
+    assert "measured on NVIDIA H200 (sm_90)" in index
