@@ -105,12 +105,12 @@ def from_table(df, *, source: str, tilings=None, partition_sizes=None) -> dict:
     for cfg, g in best.groupby(list(CONFIG_KEYS)):
         shapes = g.groupby(["kv_seqs", "max_seq_len"])
         shape_best = shapes.time_us.min()
-        # the tiling: fastest by geometric mean of its per-shape bests, over shapes it has all of
+        # the tiling: of those measured at the most shapes, the fastest by geometric mean of its
+        # per-shape bests against the shapes' bests
         per_tiling = {}
         for t, gt in g.groupby("tiling"):
             tb = gt.groupby(["kv_seqs", "max_seq_len"]).time_us.min()
-            if len(tb) == len(shape_best):
-                per_tiling[t] = _geomean(tb / shape_best)
+            per_tiling[t] = (-len(tb), _geomean(tb / shape_best.loc[tb.index]))
         tiling = min(per_tiling, key=lambda t: (per_tiling[t], t))
         gt = g[g.tiling == tiling]
         entries = []
@@ -119,18 +119,19 @@ def from_table(df, *, source: str, tilings=None, partition_sizes=None) -> dict:
             entries.append({"kv_seqs": int(kv_seqs), "max_seq_len": int(L), "partition_size": int(row.partition_size),
                             "time_us": round(float(row.time_us), 3)})
         tb = gt.groupby(["kv_seqs", "max_seq_len"]).time_us.min()
+        # the best single size: of those measured at the most shapes (every shape, in a whole
+        # table), the smallest geometric-mean slowdown against the per-shape best
         fixed = {}
         for p, gp in gt.groupby("partition_size"):
             tp = gp.set_index(["kv_seqs", "max_seq_len"]).time_us
-            if len(tp) == len(tb):
-                r = tp / tb.loc[tp.index]
-                fixed[int(p)] = (_geomean(r), float(r.max()))
-                fallback_scores.setdefault(int(p), []).extend(r.tolist())
-        p_fixed = min(fixed, key=lambda p: (fixed[p][0], p))
+            r = tp / tb.loc[tp.index]
+            fixed[int(p)] = (len(r), _geomean(r), float(r.max()))
+            fallback_scores.setdefault(int(p), []).extend(r.tolist())
+        p_fixed = min(fixed, key=lambda p: (-fixed[p][0], fixed[p][1], p))
         configs.append({**dict(zip(CONFIG_KEYS, [int(cfg[0]), int(cfg[1]), int(cfg[2]), str(cfg[3]), str(cfg[4])])),
                         "tiling": tiling, "fixed_partition_size": p_fixed,
-                        "fixed_geomean_slowdown": round(fixed[p_fixed][0], 4),
-                        "fixed_worst_slowdown": round(fixed[p_fixed][1], 4), "entries": entries})
+                        "fixed_geomean_slowdown": round(fixed[p_fixed][1], 4),
+                        "fixed_worst_slowdown": round(fixed[p_fixed][2], 4), "entries": entries})
     complete = {p: v for p, v in fallback_scores.items() if len(v) == max(len(x) for x in fallback_scores.values())}
     fallback = min(complete, key=lambda p: (_geomean(complete[p]), p))
     detail = f"measured on {', '.join(devices) or 'an unnamed device'} ({archs[0]}): {source}"

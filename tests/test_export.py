@@ -219,3 +219,13 @@ def test_shipped_exports_are_current(name):
     else:
         assert fixed[:2] == (256, "1.047") and (sizes.count(256), sizes.count(512)) == (25, 31)
     assert f"{fixed[1]}x" in readme
+
+
+def test_tables_with_gaps_still_export(llama):
+    """Shapes measured at different partition sizes (tables merged from different grids): the
+    best single size and the tiling are taken over the most shapes, never an error."""
+    d = llama[llama.tiling.isin(["mfma16", "mfma4"])]
+    d = d[~((d.num_seqs == 1) & (d.partition_size == 512)) & ~((d.num_seqs == 4) & (d.tiling == "mfma4"))]
+    cfg = E.from_table(d, source="t")["configs"][0]
+    assert cfg["tiling"] == "mfma16" and len(cfg["entries"]) == 56
+    assert cfg["fixed_partition_size"] != 512  # 512 lacks the batch-1 shapes
