@@ -262,7 +262,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
             rows.append(_sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps))
             if bar:
                 bar.update(1)
-        del sets, ref
+        sets = ref = None  # (free the shape's tensors before the next; measure() closes over both)
         torch.cuda.empty_cache()
         if out_csv:  # after every shape: an interrupted run keeps what it measured
             write_csv_atomic(_frame(rows, prov, ceil, arch, config, old), out_csv)
