@@ -134,3 +134,77 @@ def test_bench_default_path_row_is_the_launchers_pick():
     assert (r.tiling, int(r.partition_size), bool(r.fused_reduce), bool(r.cluster_reduce)) == \
         (launch.kernel.variant.tiling, launch.shape.partition_size, launch.fused_reduce, launch.cluster > 0)
     assert len(B.default_path(df)) == 1
+
+
+def test_run_rows_on_a_stand_in_device(monkeypatch, tmp_path):
+    """The bench loop itself, on the CPU: every GPU call replaced by a stand-in (sets, ceilings,
+    prepare, timing, SDPA), so the rows a shape gets -- named variants per mode, the skipped
+    ones, one default_path row with the launcher's picks, SDPA -- and the CSV are checked
+    without a device."""
+    import types
+
+    import torch
+
+    import cpa.ceilings
+    import cpa.jit
+    import cpa.ops
+    import cpa.provenance
+    import cpa.reference
+    import cpa.timing
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(cpa.provenance, "provenance", lambda: dict(
+        device_name="stand-in", driver_version="0", torch_version=torch.__version__, git_commit=git_commit(),
+        timestamp="2026-12-05T00:00:00+00:00", command="test"))
+    monkeypatch.setattr(cpa.jit, "device_arch", lambda *a: ("cuda", "sm_90"))
+    monkeypatch.setattr(cpa.ceilings, "measure", lambda: dict(read_gbps=4500.0, copy_gbps=4000.0,
+                                                              read_method="stand-in"))
+
+    def sets(b, ctx, **kw):
+        q = torch.zeros(b, 64, 128)
+        return B.DeviceSets(None, None, [q, q], [None, None], None, 0.1, 2 * b * ctx * 8 * 128 * 2)
+
+    monkeypatch.setattr(B, "make_sets", sets)
+    monkeypatch.setattr(cpa.reference, "paged_attention", lambda **kw: kw["query"])
+    monkeypatch.setattr(cpa.timing, "time_graph", lambda fns, replays: cpa.timing.Timing(10.0, 9.0, 11.0, 5))
+    monkeypatch.setattr(B, "_sdpa_row", lambda sets, ctx, base, *a: dict(base, tiling="sdpa_cudnn", partition_size=0,
+                                                                         time_us=12.0, verified=True))
+    asked = []
+
+    def prepare(query, max_seq_len, partition_size=None, tiling=None, fused_reduce=None, cluster_reduce=None,
+                shared_steps=False, **kw):
+        asked.append(dict(partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce))
+        P = partition_size or 1024  # the stand-in launcher's picks
+        n = -(-max_seq_len // P)
+        fused = bool(fused_reduce if fused_reduce is not None else 5 <= n <= 8)
+        kernel = types.SimpleNamespace(variant=types.SimpleNamespace(tiling=tiling or "mfma16"), from_cache=True,
+                                       build_seconds=0.0)
+        return types.SimpleNamespace(kernel=kernel, shape=types.SimpleNamespace(partition_size=P),
+                                     fused_reduce=fused and n > 1, cluster=n if cluster_reduce else 0,
+                                     num_partitions=n, reduce_args=None if (fused or cluster_reduce or n == 1) else (),
+                                     attention=lambda: None, reduce=lambda: None,
+                                     out=query)
+
+    class Launch(types.SimpleNamespace):
+        def __call__(self):
+            return self.out
+
+    monkeypatch.setattr(cpa.ops, "prepare", lambda **kw: Launch(**vars(prepare(**kw))))
+    out = tmp_path / "b.csv"
+    df, _ = B.run(batches=(1, 2), contexts=(512, 8192), tilings=("mfma16", "mfma4"), partition_sizes=(256, 512),
+                  replays=5, sdpa=True, fused=True, cluster=False, shared=False, progress=False, out_csv=str(out))
+    on_disk = pd.read_csv(out)
+    assert len(on_disk) == len(df)
+    for (b, ctx), g in df.groupby(["num_seqs", "max_seq_len"]):
+        named = g[(g.tiling != "sdpa_cudnn") & ~g.default_path.fillna(False).astype(bool)]
+        # 2 tilings x 2 sizes, each with the reduce launch and (where > 1 partition) fused
+        multi = sum(ctx > p for p in (256, 512))
+        assert len(named) == 2 * (2 + multi), (b, ctx)
+        d = g[g.default_path.fillna(False).astype(bool)]
+        assert len(d) == 1 and d.partition_size.iloc[0] == 1024 and d.tiling.iloc[0] == "mfma16"
+        assert bool(d.fused_reduce.iloc[0]) == (ctx == 8192)  # 8 partitions of 1024
+        assert (g.tiling == "sdpa_cudnn").sum() == 1
+    assert df[df.tiling != "sdpa_cudnn"].verified.all() and (df.time_us > 0).all()
+    assert sum(a["partition_size"] is None for a in asked) == 4 * 2  # the default path: 2 sets per shape
+    assert len(B.default_path(df)) == 4
