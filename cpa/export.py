@@ -148,7 +148,9 @@ def from_model(arch: str, *, grid: str = "llama70b-decode", partition_sizes=None
     tiling is the arch's default (cpa.variants.DEFAULTS); the candidates those of the default
     (cpa.variants.partition_candidates), within `partition_sizes` when given. The best single
     size is the one with the smallest geometric-mean modeled slowdown against the per-shape
-    best. Nothing in it is a measurement of `arch`."""
+    best. Only the ratio of fixed costs to streaming time decides the choice: a bandwidth k times
+    lower picks what fixed costs k times smaller pick, so `fixed_cost_scale` covers both
+    unknowns. Nothing in it is a measurement of `arch`."""
     import dataclasses
 
     from . import hardware as hw

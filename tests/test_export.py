@@ -229,3 +229,23 @@ def test_tables_with_gaps_still_export(llama):
     cfg = E.from_table(d, source="t")["configs"][0]
     assert cfg["tiling"] == "mfma16" and len(cfg["entries"]) == 56
     assert cfg["fixed_partition_size"] != 512  # 512 lacks the batch-1 shapes
+
+
+def test_bandwidth_and_fixed_costs_are_one_unknown_for_the_choice():
+    """from_model's claim: dividing the bandwidth by k picks what dividing every fixed cost by k
+    picks (the modeled time is streaming plus fixed costs), so fixed_cost_scale covers both."""
+    import dataclasses
+
+    from cpa import occupancy as O
+
+    m = O.shape_model("sm_90")
+    for k in (1.2, 2.0):
+        a = dataclasses.replace(m, bw_bytes_per_s=m.bw_bytes_per_s / k)
+        b = dataclasses.replace(m, t_wave_us=m.t_wave_us / k, t_reduce_us=m.t_reduce_us / k,
+                                t_launch_us=m.t_launch_us / k)
+        for S in (1, 4, 16, 64, 256):
+            for L in (512, 2048, 8192, 32768, 131072):
+                kw = dict(num_seqs=S, num_heads=64, num_kv_heads=8, head_size=128, max_seq_len=L, kv_elem_bytes=2,
+                          slots=912, compute_units=304)
+                c = [128, 256, 512, 1024, 2048, 4096, 8192]
+                assert O.partition_by_wave_model(a, c, **kw) == O.partition_by_wave_model(b, c, **kw), (k, S, L)
