@@ -176,14 +176,6 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                          f"{variant.partition_size} tokens; the grid allows at most 65535")
     shape = dataclasses.replace(shape, partition_size=variant.partition_size, max_num_partitions=num_partitions)
     kernel = build(variant, query.device)
-    if fused_reduce is None:
-        # the device's rule (cpa.variants.fused_default), unless another combine is asked for or
-        # the cluster combine will be chosen (it has its own rule and wins at small grids)
-        fused_reduce = (V.fused_default(arch, num_partitions) and not shared_steps and not cluster_reduce
-                        and "-DCPA_FUSED_REDUCE=0" not in extra_flags()
-                        and not (cluster_reduce is None and not return_intermediates
-                                 and V.cluster_default(arch, num_partitions, shape.num_seqs, shape.num_kv_heads,
-                                                       _num_sms(query.device))))
     fused = bool(fused_reduce) and num_partitions > 1
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
@@ -198,6 +190,11 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
         cluster_reduce = False
     cluster = _cluster_size(cluster_reduce, kernel, arch, shape, fused=fused,
                             return_intermediates=return_intermediates, query_device=query.device)
+    if fused_reduce is None:
+        # the device's rule (cpa.variants.fused_default) where no other combine runs: the cluster
+        # combine's own rule was asked first (it wins at small grids)
+        fused = (V.fused_default(arch, num_partitions) and not shared_steps and not cluster
+                 and "-DCPA_FUSED_REDUCE=0" not in extra_flags())
 
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
     dev = query.device
