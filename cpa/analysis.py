@@ -79,14 +79,20 @@ def _device_slug() -> str:
     return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
 
 
+def data_source(mode: str | None = None) -> str:
+    """"live" or "shipped": `mode` (else CPA_DATA, else auto), auto being live where torch sees
+    a GPU. (Whether a live source has its GPU is the caller's to check.)"""
+    mode = (mode or os.environ.get("CPA_DATA") or "auto").lower()
+    if mode not in ("auto", "live", "shipped"):
+        raise ValueError(f"CPA_DATA / mode={mode!r}: expected auto, live or shipped")
+    return "live" if mode == "live" or (mode == "auto" and has_gpu()) else "shipped"
+
+
 def sweep_results(grid: str, *, mode: str | None = None, progress: bool = True, **sweep_kw) -> SweepData:
     """The table of a named grid: live on a GPU (run or resumed), else the shipped one."""
     from . import sweep as S
 
-    mode = (mode or os.environ.get("CPA_DATA") or "auto").lower()
-    if mode not in ("auto", "live", "shipped"):
-        raise ValueError(f"CPA_DATA / mode={mode!r}: expected auto, live or shipped")
-    if mode == "live" or (mode == "auto" and has_gpu()):
+    if data_source(mode) == "live":
         if not has_gpu():
             raise RuntimeError("CPA_DATA=live, but no GPU is visible to torch")
         out = LIVE / f"{_device_slug()}-{grid}.parquet"
@@ -104,10 +110,7 @@ def sweep_tables(mode: str | None = None) -> tuple[str, list[Path]]:
     """("live" | "shipped", the sweep parquets that source holds): the live tables of this GPU
     under build/sweeps (those the notebooks ran), else the shipped H200 ones -- the same choice
     as :func:`sweep_results`, without running anything."""
-    mode = (mode or os.environ.get("CPA_DATA") or "auto").lower()
-    if mode not in ("auto", "live", "shipped"):
-        raise ValueError(f"CPA_DATA / mode={mode!r}: expected auto, live or shipped")
-    if mode == "live" or (mode == "auto" and has_gpu()):
+    if data_source(mode) == "live":
         return "live", sorted(LIVE.glob(f"{_device_slug()}-*.parquet")) if has_gpu() else []
     return "shipped", sorted(SHIPPED.glob("h200-*.parquet"))
 

@@ -370,9 +370,7 @@ def summary_table(df):
         best = cpa_rows.loc[cpa_rows.time_us.idxmin()]
         p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
         p256 = p256.sort_values("time_us")
-        fz = "+fused" * _flag(best, "fused_reduce") + "+cluster" * _flag(best, "cluster_reduce") + \
-            "+shared" * _flag(best, "shared_steps")
-        line = dict(batch=b, context=ctx, best=f"{best.tiling}/{int(best.partition_size)}{fz}",
+        line = dict(batch=b, context=ctx, best=_variant_label(best),
                     best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
                     p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)
         if len(sd):
@@ -440,6 +438,12 @@ def _flag(row, name: str) -> bool:
     return bool(v) if v == v and v is not None else False  # (NaN in CSVs that predate the column)
 
 
+def _variant_label(row) -> str:
+    """tiling/partition_size with the row's in-kernel combine or shared steps, e.g. mfma16/1024+fused."""
+    return (f"{row.tiling}/{int(row.partition_size)}" + "+fused" * _flag(row, "fused_reduce")
+            + "+cluster" * _flag(row, "cluster_reduce") + "+shared" * _flag(row, "shared_steps"))
+
+
 def best_fixed_choice(df):
     """The (tiling, partition_size, fused_reduce, cluster_reduce, shared_steps) with the
     smallest geometric-mean slowdown against the per-shape best over all benchmarked shapes:
@@ -503,13 +507,11 @@ def default_path(df):
         if not len(g):
             continue
         best = g.loc[g.time_us.idxmin()]
-        fz = "+fused" * _flag(best, "fused_reduce") + "+cluster" * _flag(best, "cluster_reduce") + \
-            "+shared" * _flag(best, "shared_steps")
         key = (r.num_seqs, r.max_seq_len)
         rows.append(dict(num_seqs=int(r.num_seqs), max_seq_len=int(r.max_seq_len), tiling=r.tiling,
                          partition_size=int(r.partition_size), fused_reduce=_flag(r, "fused_reduce"),
                          cluster_reduce=_flag(r, "cluster_reduce"), time_us=float(r.time_us),
-                         best=f"{best.tiling}/{int(best.partition_size)}{fz}", best_time_us=float(best.time_us),
+                         best=_variant_label(best), best_time_us=float(best.time_us),
                          slowdown=float(r.time_us) / float(best.time_us),
                          vs_sdpa=float(sdpa.loc[key]) / float(r.time_us) if key in sdpa.index else float("nan")))
     return pd.DataFrame(rows)
@@ -559,12 +561,7 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
     spec = hw.spec_for(arch)
     compute_units = compute_units or spec.compute_units
     platform = V.platform_of_arch(arch)
-    if resident_per_sm is None:
-        static = O.load_static_table(arch)
-        att = static[static.kernel == "attention"].set_index("variant")
-
-        def resident_per_sm(v):
-            return O.resident_workgroups(arch, att.loc[v.name].to_dict(), spec)[0]
+    resident_per_sm = resident_per_sm or O.static_resident(arch, spec)
 
     # a table without cluster rows (the sweeps; a bench run with --no-cluster) timed every row
     # with the reduce launch or the fused reduce
@@ -592,13 +589,11 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
         fused_here = fused and not cluster and V.fused_default(arch, -(-L // p)) and bool(mine.fused_reduce.any())
         mine = mine[mine.fused_reduce == fused_here]
         best = g.loc[g.time_us.idxmin()]
-        fz = "+fused" * bool(best.fused_reduce) + "+cluster" * bool(best.cluster_reduce) + \
-            "+shared" * bool(best.shared_steps)
         t = float(mine.time_us.min()) if len(mine) else float("nan")
         rows.append(dict(shape, tiling=tiling, partition_size=p, candidates=tuple(cands), resident_per_sm=per_sm,
                          workgroups=S * kvh * -(-L // p), cluster_reduce=bool(cluster), fused_reduce=fused_here,
                          time_us=t,
-                         best=f"{best.tiling}/{int(best.partition_size)}{fz}", best_time_us=float(best.time_us),
+                         best=_variant_label(best), best_time_us=float(best.time_us),
                          slowdown=t / float(best.time_us)))
     return pd.DataFrame(rows)
 

@@ -479,7 +479,6 @@ def export_tuned(
     """Export tuned partition sizes for a production build: a JSON file (for the Python side:
     cpa.export.lookup) and a C++17 header (cpa_tuned::partition_size and the sizes to
     instantiate), from measured tables or, labelled so, from the wave model."""
-    from pathlib import Path
 
     from . import export as E
 
@@ -490,17 +489,7 @@ def export_tuned(
     try:
         sizes = _ints(partition_sizes)
         if from_tables:
-            import pandas as pd
-
-            frames = []
-            for f in _strs(from_tables):
-                if not Path(f).is_file():
-                    raise ValueError(f"--from {f}: no such file")
-                try:
-                    frames.append(pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f))
-                except Exception as e:  # not a table at all
-                    raise ValueError(f"--from {f}: not a sweep parquet or bench CSV ({type(e).__name__}: {e})")
-            tuned = E.from_table(pd.concat(frames, ignore_index=True), source=from_tables, tilings=_strs(tilings),
+            tuned = E.from_table(E.read_tables(_strs(from_tables)), source=from_tables, tilings=_strs(tilings),
                                  partition_sizes=sizes)
         else:
             if tilings:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 SCHEMA = "cpa.tuned/1"
@@ -71,6 +70,18 @@ def _geomean(x) -> float:
     return math.exp(sum(math.log(v) for v in x) / len(x))
 
 
+def _best_single(slow: dict) -> int:
+    """Of {partition size: slowdowns against the per-shape best, one per shape it was measured
+    or modeled at}, the size measured at the most shapes with the smallest geometric mean."""
+    return min(slow, key=lambda p: (-len(slow[p]), _geomean(slow[p]), p))
+
+
+def _fixed_fields(slow: dict) -> dict:
+    p = _best_single(slow)
+    return {"fixed_partition_size": int(p), "fixed_geomean_slowdown": round(_geomean(slow[p]), 4),
+            "fixed_worst_slowdown": round(max(slow[p]), 4)}
+
+
 def _provenance_of(df, source: str, evidence: str, detail: str) -> dict:
     from .provenance import command, git_commit, now
 
@@ -80,6 +91,22 @@ def _provenance_of(df, source: str, evidence: str, detail: str) -> dict:
     return {"evidence": evidence, "evidence_detail": detail, "source": source, "source_devices": uniq("device_name"),
             "source_drivers": uniq("driver_version"), "source_torch": uniq("torch_version"),
             "source_commits": uniq("git_commit"), "created": now(), "cpa_commit": git_commit(), "command": command()}
+
+
+def read_tables(paths):
+    """The rows of several measured tables (sweep parquets, `cpa bench` CSVs) as one frame;
+    ValueError naming the file that is missing or not a table."""
+    import pandas as pd
+
+    frames = []
+    for f in map(str, paths):
+        if not Path(f).is_file():
+            raise ValueError(f"--from {f}: no such file")
+        try:
+            frames.append(pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f))
+        except Exception as e:  # not a table at all
+            raise ValueError(f"--from {f}: not a sweep parquet or bench CSV ({type(e).__name__}: {e})")
+    return pd.concat(frames, ignore_index=True)
 
 
 def from_table(df, *, source: str, tilings=None, partition_sizes=None) -> dict:
@@ -101,7 +128,7 @@ def from_table(df, *, source: str, tilings=None, partition_sizes=None) -> dict:
     # one time per (config, shape, tiling, partition size): the fastest where tables overlap
     best = d.groupby(list(CONFIG_KEYS) + ["kv_seqs", "max_seq_len", "tiling", "partition_size"],
                      as_index=False).time_us.min()
-    configs, fallback_scores = [], {}
+    configs, all_slow = [], {}
     for cfg, g in best.groupby(list(CONFIG_KEYS)):
         shapes = g.groupby(["kv_seqs", "max_seq_len"])
         shape_best = shapes.time_us.min()
@@ -121,19 +148,14 @@ def from_table(df, *, source: str, tilings=None, partition_sizes=None) -> dict:
         tb = gt.groupby(["kv_seqs", "max_seq_len"]).time_us.min()
         # the best single size: of those measured at the most shapes (every shape, in a whole
         # table), the smallest geometric-mean slowdown against the per-shape best
-        fixed = {}
+        slow = {}
         for p, gp in gt.groupby("partition_size"):
             tp = gp.set_index(["kv_seqs", "max_seq_len"]).time_us
-            r = tp / tb.loc[tp.index]
-            fixed[int(p)] = (len(r), _geomean(r), float(r.max()))
-            fallback_scores.setdefault(int(p), []).extend(r.tolist())
-        p_fixed = min(fixed, key=lambda p: (-fixed[p][0], fixed[p][1], p))
+            slow[int(p)] = (tp / tb.loc[tp.index]).tolist()
+            all_slow.setdefault(int(p), []).extend(slow[int(p)])
         configs.append({**dict(zip(CONFIG_KEYS, [int(cfg[0]), int(cfg[1]), int(cfg[2]), str(cfg[3]), str(cfg[4])])),
-                        "tiling": tiling, "fixed_partition_size": p_fixed,
-                        "fixed_geomean_slowdown": round(fixed[p_fixed][1], 4),
-                        "fixed_worst_slowdown": round(fixed[p_fixed][2], 4), "entries": entries})
-    complete = {p: v for p, v in fallback_scores.items() if len(v) == max(len(x) for x in fallback_scores.values())}
-    fallback = min(complete, key=lambda p: (_geomean(complete[p]), p))
+                        "tiling": tiling, **_fixed_fields(slow), "entries": entries})
+    fallback = _best_single(all_slow)
     detail = f"measured on {', '.join(devices) or 'an unnamed device'} ({archs[0]}): {source}"
     return _finish(archs[0], configs, fallback, _provenance_of(d, source, "measured", detail))
 
@@ -166,8 +188,7 @@ def from_model(arch: str, *, grid: str = "llama70b-decode", partition_sizes=None
                                 t_wave_us=h200.t_wave_us * fixed_cost_scale,
                                 t_reduce_us=h200.t_reduce_us * fixed_cost_scale,
                                 t_launch_us=h200.t_launch_us * fixed_cost_scale)
-    static = O.load_static_table(arch)
-    att = static[static.kernel == "attention"].set_index("variant")
+    resident_per_cu = O.static_resident(arch, spec)
     platform = V.platform_of_arch(arch)
     g = S.load_grid(grid)
     by_cfg: dict[tuple, list] = {}
@@ -187,8 +208,7 @@ def from_model(arch: str, *, grid: str = "llama70b-decode", partition_sizes=None
                  if not partition_sizes or p in partition_sizes]
         if not sizes:
             raise ValueError(f"{arch} {tiling}: none of partition_sizes={list(partition_sizes)} builds")
-        per_cu = O.resident_workgroups(arch, att.loc[V.variant_for(partition_size=sizes[0], **axes).name].to_dict(),
-                                       spec)[0]
+        per_cu = resident_per_cu(V.variant_for(partition_size=sizes[0], **axes))
         entries, slow = [], {p: [] for p in sizes}
         for pt in sorted(pts, key=lambda q: (q.num_seqs * q.num_kv_heads, q.max_seq_len)):
             shape = dict(num_seqs=pt.num_seqs, num_heads=pt.num_heads, num_kv_heads=pt.num_kv_heads, head_size=head,
@@ -202,16 +222,11 @@ def from_model(arch: str, *, grid: str = "llama70b-decode", partition_sizes=None
                             "partition_size": int(p), "model_us": round(t[p], 3)})
             for q in sizes:
                 slow[q].append(t[q] / t[p])
-        score = {q: _geomean(v) for q, v in slow.items()}
-        fixed = min(score, key=lambda q: (score[q], q))
         for q, v in slow.items():
             all_slow.setdefault(q, []).extend(v)
         configs.append({"gqa_ratio": gqa, "head_size": head, "block_size": block, "dtype": dt, "kv_cache_dtype": kv,
-                        "tiling": tiling, "fixed_partition_size": int(fixed),
-                        "fixed_geomean_slowdown": round(score[fixed], 4),
-                        "fixed_worst_slowdown": round(max(slow[fixed]), 4), "entries": entries})
-    complete = {q: v for q, v in all_slow.items() if len(v) == max(len(x) for x in all_slow.values())}
-    fallback = min(complete, key=lambda q: (_geomean(complete[q]), q))
+                        "tiling": tiling, **_fixed_fields(slow), "entries": entries})
+    fallback = _best_single(all_slow)
     detail = (f"modeled for {arch} ({spec.name}), not measured there: the H200-fitted wave model "
               f"(cpa.variants.SHAPE_MODELS) on {arch}'s compiled resources (data/static/{arch}.csv, {per_cu} "
               f"workgroups per CU) and {spec.hbm_bandwidth_bytes_per_s / 1e12:.1f} TB/s x {frac:.3f}, fixed costs "
@@ -263,11 +278,11 @@ def load(path) -> dict:
 
 # ------------------------------------------------------------------------------------ writing
 def _atomic_write(path, text: str) -> None:
+    from .sweep import _atomic_write_bytes  # (temporary file, fsync, rename)
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    _atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def to_json(tuned: dict) -> str:

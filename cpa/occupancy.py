@@ -414,6 +414,15 @@ def grid_from_table(df, variant: V.Variant, *, num_seqs: int, num_heads: int, nu
                           reduce_few=few.iloc[0].to_dict() if len(few) else None)
 
 
+def static_resident(arch: str, spec: hw.DeviceSpec | None = None):
+    """resident_per_cu(variant) -> attention workgroups one CU/SM holds, from the variant's row of
+    the shipped ``data/static/<arch>.csv`` (compiled registers and shared memory)."""
+    spec = spec or hw.spec_for(arch)
+    static = load_static_table(arch)
+    att = static[static.kernel == "attention"].set_index("variant")
+    return lambda v: resident_workgroups(arch, att.loc[v.name].to_dict(), spec)[0]
+
+
 def load_static_table(arch: str, root=None):
     """The shipped ``data/static/<arch>.csv`` as a DataFrame."""
     from pathlib import Path

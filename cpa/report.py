@@ -60,9 +60,9 @@ def data_banner() -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    from .sweep import _atomic_write_bytes  # (temporary file, fsync, rename)
+
+    _atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str | None = None):
@@ -119,19 +119,15 @@ def write_tuned(folder: Path, *, echo=print) -> list[dict]:
     """`cpa export` of what the report read: the sweep tables of this run (live on a GPU, else
     the shipped H200 ones) as a measured export, and MI300X (gfx942) modeled; one JSON and one
     header each under `folder`. Returns what was written (name, files, evidence)."""
-    import pandas as pd
-
     from . import analysis as A
     from . import export as E
-    from .sweep import read_results
 
     made = []
     source, tables = A.sweep_tables()
     jobs = []
     if tables:
-        frames = [read_results(t)[0] for t in tables]
         rel = ", ".join(str(t.relative_to(ROOT)) if t.is_relative_to(ROOT) else str(t) for t in tables)
-        jobs.append((f"{source}-measured", lambda: E.from_table(pd.concat(frames, ignore_index=True), source=rel)))
+        jobs.append((f"{source}-measured", lambda: E.from_table(E.read_tables(tables), source=rel)))
     jobs.append(("mi300x-modeled", lambda: E.from_model("gfx942")))
     for name, make in jobs:
         try:
