@@ -187,6 +187,39 @@ def bench(
     print(f"\nwrote {out}")
 
 
+@app.command("host-cost")
+def host_cost(
+    out: str = typer.Option("data/bench/host-cost.csv", help="CSV to write (atomically)."),
+    batches: str = typer.Option("1,8", help="comma-separated batch sizes."),
+    contexts: str = typer.Option("2048,32768", help="comma-separated context lengths."),
+    modes: Optional[str] = typer.Option(None, help="comma-separated launch modes (default: all; see "
+                                        "cpa.hostcost)."),
+    calls: int = typer.Option(100, help="calls per timed run."),
+    repeats: int = typer.Option(7, help="timed runs per mode (median reported)."),
+    progress: bool = typer.Option(True, help="show a progress bar."),
+) -> None:
+    """What one decode call costs the host by launch path (eager checked / unchecked, prepared
+    Launch, CUDA graph, SDPA), beside its device time (needs a GPU; Llama-3.1-70B TP1 shapes)."""
+    import pandas as pd
+
+    from . import hostcost as H
+
+    try:
+        df = H.run(batches=_ints(batches), contexts=_ints(contexts), modes=_strs(modes) or H.MODES, calls=calls,
+                   repeats=repeats, out_csv=out, progress=progress)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    except RuntimeError as e:  # no GPU
+        typer.echo(f"cpa host-cost: {e}", err=True)
+        raise typer.Exit(2) from None
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        print(df[["num_seqs", "max_seq_len", "mode", "tiling", "partition_size", "fused_reduce", "host_us",
+                  "wall_us", "device_us", "verified"]].round(2).to_string(index=False))
+        print("\nper call, us (host: issue cost with the GPU busy; wall: back to back from an idle GPU):")
+        print(H.summary(df).round(1).to_string(index=False))
+    print(f"\nwrote {out}")
+
+
 @app.command()
 def prebuild(
     grid: str = typer.Option("tests", help="'tests' (every variant the GPU tests use) or 'bench'."),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
-# racecheck-async,
+# racecheck-async, hostcost,
 # ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -333,6 +333,13 @@ PYEOF
       bench_rows h200-target2.csv ${CPA_T2_TIMEOUT:-540} 40 \
         --batches ${CPA_T2_BATCHES:-1,2,4,8} --contexts ${CPA_T2_CONTEXTS:-8192,16384,32768,65536,131072} \
         $V --no-shared ${CPA_T2_ARGS:-}
+      ;;
+    hostcost)
+      # the host's cost per decode call by launch path (cpa.hostcost), on any card: the file is
+      # named after it (CPA_HC_ARGS: more `cpa host-cost` options)
+      tag=$(echo "$GPU_NAME" | grep -o 'H[0-9]\{3\}' | head -1 | tr A-Z a-z); tag=${tag:-gpu}
+      CPA_COMMAND="python3 -m cpa host-cost --out data/bench/$tag-host-cost.csv ${CPA_HC_ARGS:-}" \
+        timeout ${CPA_HC_TIMEOUT:-300} $PY -m cpa host-cost --no-progress --out "$OUT/$tag-host-cost.csv" ${CPA_HC_ARGS:-} 2>&1 | tail -40
       ;;
     readpattern)
       # the K/V bytes of 8 x 32k read by a plain Triton reader: contiguous, paged (one KV head

@@ -1,0 +1,79 @@
+"""cpa.hostcost: the host-cost measurement's logic on the CPU (a scripted stand-in stream), and
+the whole measurement on a GPU."""
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from cpa import hostcost as H
+
+
+class _Stream:
+    """A stream whose query() answers from a script (True: idle)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+
+    def query(self):
+        return self.answers.pop(0)
+
+
+def _stand_in(monkeypatch, answers):
+    spins = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: spins.append(cycles))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _Stream(answers))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return spins
+
+
+def test_host_us_lengthens_the_spin_until_the_gpu_outlasts_the_issue_loop(monkeypatch):
+    spins = _stand_in(monkeypatch, [True, True, False])  # idle, idle, then busy at the loop's end
+    n = []
+    us = H.host_us(lambda: n.append(1), calls=10, cycles_per_us=2.0)
+    assert len(n) == 30  # the loop ran once per try
+    assert spins == [int(H.SPIN_US_PER_CALL * 10 * 2.0 * 4 ** i) for i in range(3)]
+    assert us >= 0 and math.isfinite(us)
+
+
+def test_host_us_refuses_a_measurement_the_device_never_outlasted(monkeypatch):
+    _stand_in(monkeypatch, [True] * H.MAX_SPIN_TRIES)
+    with pytest.raises(RuntimeError, match="went idle"):
+        H.host_us(lambda: None, calls=5, cycles_per_us=1.0)
+
+
+def test_run_refuses_bad_options_before_any_gpu_work(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("GPU touched")))
+    with pytest.raises(ValueError, match="unknown"):
+        H.run(modes=("graph", "eager_fast"))
+    with pytest.raises(ValueError, match="at least 1"):
+        H.run(calls=0)
+
+
+def test_summary_puts_each_mode_of_a_shape_on_one_line():
+    rows = []
+    for s, c in ((1, 2048), (8, 32768)):
+        for i, m in enumerate(("checked", "graph", "sdpa_cudnn")):
+            rows.append(dict(num_seqs=s, max_seq_len=c, mode=m, host_us=math.nan if m == "checked" else 5.0 + i,
+                             wall_us=50.0 + i, device_us=20.0 if m != "sdpa_cudnn" else 30.0))
+    t = H.summary(pd.DataFrame(rows))
+    assert list(t.num_seqs) == [1, 8]
+    assert (t.device_us == 20.0).all()  # the CPA launch's device time, not SDPA's
+    assert t.graph_host.tolist() == [6.0, 6.0] and t.sdpa_cudnn_wall.tolist() == [52.0, 52.0]
+    assert t.checked_host.isna().all()
+
+
+@pytest.mark.gpu
+def test_host_cost_on_the_gpu():
+    """Every mode verified against the reference; a graph replay costs the host less than the
+    eager call; no mode's calls run back to back faster than the device time of the launch."""
+    df = H.run(batches=(1,), contexts=(2048,), calls=20, repeats=3, replays=5, progress=False)
+    assert set(df["mode"]) == set(H.MODES)
+    assert df["verified"].all(), df[["mode", "max_rel_err"]]
+    by = df.set_index("mode")
+    assert math.isnan(by.loc["checked", "host_us"])
+    assert by.drop(index="checked")["host_us"].map(math.isfinite).all()
+    assert by.loc["graph", "host_us"] < by.loc["unchecked", "host_us"]
+    assert by.loc["unchecked", "wall_us"] < by.loc["checked", "wall_us"]  # the check's sync
+    assert (by["wall_us"] >= 0.9 * by["device_us"]).all(), by[["wall_us", "device_us"]]
