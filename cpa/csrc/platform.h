@@ -20,7 +20,13 @@
 
 #include <stdint.h>
 
-#if defined(__HIPCC__) || defined(__HIP__)
+#if defined(CPA_EMU)
+// The HIP side on the host CPU, for tests without an AMD GPU (emu/wave_emu.h): the builtins
+// below are emulated there, wave by wave.
+#define CPA_HIP 1
+#define CPA_WAVE 64
+#include "emu/wave_emu.h"
+#elif defined(__HIPCC__) || defined(__HIP__)
 #define CPA_HIP 1
 #define CPA_WAVE 64
 #ifndef __HIP_DEVICE_COMPILE__

@@ -1,0 +1,72 @@
+// C entry points of one variant built for the wave emulator (CPA_EMU, wave_emu.h): the same
+// kernels as launch.h, their grids walked workgroup by workgroup on the host. Host pointers.
+#pragma once
+#ifndef CPA_EMU
+#error "launch_emu.h is the CPA_EMU build's launcher (compile with -DCPA_EMU)"
+#endif
+#include "../attention.h"
+
+namespace cpa_emu {
+
+template <class Kernel, class Params>
+int walk_grid(Kernel kernel, int gx, int gy, int gz, int threads, const Params& p) {
+  for (int z = 0; z < gz; ++z)
+    for (int y = 0; y < gy; ++y)
+      for (int x = 0; x < gx; ++x)
+        if (!run_group(threads, x, y, z, [&] { kernel(p); })) {
+          last_error() += " (grid " + std::to_string(gx) + " x " + std::to_string(gy) + " x " + std::to_string(gz) + ")";
+          return 1;
+        }
+  return 0;
+}
+
+template <class Cfg>
+int attention(const cpa::AttnParams& p, int num_seqs, int num_kv_heads) {
+  if (p.cluster > 1 || p.steal) {
+    last_error() = "the emulator runs the fixed-partition kernel with the reduce launch or the fused reduce only";
+    return 2;
+  }
+  return walk_grid(cpa::paged_attention_kernel<Cfg>, num_seqs, p.max_num_partitions, num_kv_heads, Cfg::THREADS, p);
+}
+
+template <class Cfg>
+int reduce(const cpa::ReduceParams& p, int num_seqs) {
+  using T = typename Cfg::Dtype;
+  constexpr int HEAD = Cfg::head_size;
+  if (cpa::use_reduce_few(p.max_num_partitions, num_seqs, p.num_heads)) {
+    using RF = cpa::ReduceFewConfig<T, HEAD>;
+    return walk_grid(cpa::paged_attention_reduce_few_kernel<T, HEAD>, (p.num_heads + RF::HEADS - 1) / RF::HEADS,
+                     num_seqs, 1, RF::THREADS, p);
+  }
+  return walk_grid(cpa::paged_attention_reduce_kernel<T, HEAD>, p.num_heads, num_seqs, 1,
+                   cpa::ReduceConfig<T, HEAD>::THREADS, p);
+}
+
+}  // namespace cpa_emu
+
+#define CPA_DEFINE_EMU_VARIANT(NAME, TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP)                 \
+  using CpaCfg = cpa::AttnConfig<TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP>;                    \
+  extern "C" const char* cpa_variant() { return NAME; }                                           \
+  extern "C" const char* cpa_emu_error() { return cpa_emu::last_error().c_str(); }                \
+  extern "C" long long cpa_emu_wave_ops() { return cpa_emu::group().wave_ops; }                   \
+  extern "C" int cpa_emu_attention(void* out, float* exp_sums, float* max_logits, float* tmp_out, \
+                                   const void* query, const void* key_cache, const void* value_cache, \
+                                   const int* block_tables, const int* seq_lens, const float* alibi, \
+                                   int num_seqs, int num_heads, int num_kv_heads,                  \
+                                   int max_blocks_per_seq, int max_num_partitions,                 \
+                                   long long kv_block_stride, long long kv_head_stride,           \
+                                   float scale_log2, float out_scale, int out_direct, int* counters) { \
+    cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
+                      (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
+                      seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
+                      max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
+                      out_direct, counters, num_kv_heads, 0, nullptr};                            \
+    return cpa_emu::attention<CpaCfg>(p, num_seqs, num_kv_heads);                                  \
+  }                                                                                                \
+  extern "C" int cpa_emu_reduce(void* out, const float* exp_sums, const float* max_logits,         \
+                                const float* tmp_out, const int* seq_lens, int num_seqs,           \
+                                int num_heads, int max_num_partitions) {                           \
+    cpa::ReduceParams p{out, exp_sums, max_logits, tmp_out, seq_lens, num_heads,                   \
+                        max_num_partitions, PARTITION};                                            \
+    return cpa_emu::reduce<CpaCfg>(p, num_seqs);                                                   \
+  }

@@ -1,0 +1,255 @@
+// The HIP side of platform.h on the host CPU (CPA_EMU): the kernels' AMD code path -- wave64,
+// ds_bpermute shuffles, the v_mfma_f32_16x16x16 / 4x4x4 (16 blocks) matrix instructions with
+// the operand layouts AMD documents, LDS and barriers -- run by a lock-step wave emulator, so
+// that the AMD tilings, which no GPU here can run, are executed and checked against the
+// reference (tests/test_emu.py). It checks lane mappings and control flow, not timing, ISA
+// or the memory model: every lane is a fiber, and a fiber runs until it reaches a wave-wide
+// operation (a matrix instruction, a permute, a wave barrier) or a workgroup barrier; when
+// every live lane of a wave is waiting at the same wave-wide operation it is computed for the
+// whole wave, and a barrier opens when every live thread of the workgroup waits at one.
+// Lanes of one wave waiting at different operations are a divergent collective: an error.
+// Workgroups run one after another, so `__shared__` is a function-local static.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#define __device__
+#define __host__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+namespace cpa_emu {
+
+constexpr int kLanes = 64;
+enum Op : int { kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4 };
+
+struct Lane {
+  ucontext_t ctx;
+  int op = kRun;
+  int addr = 0;
+  uint32_t val = 0, res = 0;
+  float a[4] = {}, b[4] = {}, c[4] = {}, d[4] = {};
+};
+
+struct Group {
+  int threads = 0, cur = 0;
+  int block[3] = {0, 0, 0};
+  std::vector<Lane> lanes;
+  std::vector<std::vector<char>> stacks;
+  ucontext_t sched;
+  std::function<void()> body;
+  std::string error;
+  long long wave_ops = 0, barriers = 0;
+};
+
+inline Group& group() {
+  static Group g;
+  return g;
+}
+inline std::string& last_error() {
+  static std::string e;
+  return e;
+}
+
+inline void arrive(int op) {
+  Group& g = group();
+  Lane& l = g.lanes[g.cur];
+  l.op = op;
+  swapcontext(&l.ctx, &g.sched);
+}
+
+inline void lane_main() {
+  Group& g = group();
+  g.body();
+  g.lanes[g.cur].op = kDone;  // (uc_link returns to the scheduler)
+}
+
+// One wave-wide operation for lanes [w, w + 64) (all live: checked by the caller).
+inline void wave_op(Group& g, int w, int op) {
+  Lane* L = g.lanes.data() + w;
+  if (op == kPermute) {
+    for (int l = 0; l < kLanes; ++l) L[l].res = L[(L[l].addr >> 2) & (kLanes - 1)].val;
+  } else if (op == kMfma16) {
+    // v_mfma_f32_16x16x16{f16,bf16}: lane x + 16 y holds A[x][4y + v], B[4y + v][x] and
+    // D[4y + v][x] (v = 0..3)
+    for (int l = 0; l < kLanes; ++l) {
+      const int x = l % 16, y = l / 16;
+      for (int v = 0; v < 4; ++v) {
+        const int i = 4 * y + v;
+        float acc = L[l].c[v];
+        for (int k = 0; k < 16; ++k) acc += L[i + 16 * (k / 4)].a[k % 4] * L[x + 16 * (k / 4)].b[k % 4];
+        L[l].d[v] = acc;
+      }
+    }
+  } else if (op == kMfma4) {
+    // v_mfma_f32_4x4x4_16b{f16,bf16}: block y = lane / 4; lane x + 4 y holds A_y[x][v],
+    // B_y[v][x] and D_y[v][x]
+    for (int l = 0; l < kLanes; ++l) {
+      const int x = l % 4, base = l - x;
+      for (int v = 0; v < 4; ++v) {
+        float acc = L[l].c[v];
+        for (int k = 0; k < 4; ++k) acc += L[base + v].a[k] * L[base + x].b[k];
+        L[l].d[v] = acc;
+      }
+    }
+  }
+  ++g.wave_ops;
+}
+
+inline const char* op_name(int op) {
+  static const char* names[] = {"running", "done", "barrier", "wave barrier", "ds_bpermute", "mfma 16x16x16",
+                                "mfma 4x4x4"};
+  return names[op];
+}
+
+// Run one workgroup of `threads` (a multiple of 64) to completion; false with last_error() set
+// on a divergent collective or a deadlock.
+inline bool run_group(int threads, int bx, int by, int bz, std::function<void()> body, int stack_bytes = 1 << 17) {
+  Group& g = group();
+  g.threads = threads;
+  g.block[0] = bx; g.block[1] = by; g.block[2] = bz;
+  g.body = std::move(body);
+  if ((int)g.lanes.size() < threads) g.lanes.resize(threads);
+  if ((int)g.stacks.size() < threads) g.stacks.resize(threads);
+  for (int t = 0; t < threads; ++t) {
+    if ((int)g.stacks[t].size() != stack_bytes) g.stacks[t].assign(stack_bytes, 0);
+    Lane& l = g.lanes[t];
+    l.op = kRun;
+    getcontext(&l.ctx);
+    l.ctx.uc_stack.ss_sp = g.stacks[t].data();
+    l.ctx.uc_stack.ss_size = g.stacks[t].size();
+    l.ctx.uc_link = &g.sched;
+    makecontext(&l.ctx, lane_main, 0);
+  }
+  const int waves = threads / kLanes;
+  for (;;) {
+    for (int t = 0; t < threads; ++t) {
+      if (g.lanes[t].op != kRun) continue;
+      g.cur = t;
+      swapcontext(&g.sched, &g.lanes[t].ctx);
+    }
+    bool any_live = false, progressed = false, all_at_barrier = true;
+    for (int w = 0; w < waves; ++w) {
+      Lane* L = g.lanes.data() + w * kLanes;
+      int op = -1, live = 0;
+      for (int l = 0; l < kLanes; ++l) {
+        if (L[l].op == kDone) continue;
+        ++live;
+        if (op < 0) {
+          op = L[l].op;
+        } else if (L[l].op != op) {
+          last_error() = "divergent collective in workgroup (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
+                         std::to_string(bz) + ") wave " + std::to_string(w) + ": lanes wait at " + op_name(op) +
+                         " and at " + op_name(L[l].op);
+          return false;
+        }
+      }
+      if (!live) continue;
+      any_live = true;
+      if (op == kBarrier) continue;
+      all_at_barrier = false;
+      if (live != kLanes && op != kWaveBarrier) {
+        last_error() = std::string(op_name(op)) + " with " + std::to_string(kLanes - live) +
+                       " exited lanes in wave " + std::to_string(w);
+        return false;
+      }
+      wave_op(g, w * kLanes, op);
+      for (int l = 0; l < kLanes; ++l)
+        if (L[l].op != kDone) L[l].op = kRun;
+      progressed = true;
+    }
+    if (!any_live) return true;
+    if (all_at_barrier) {
+      for (int t = 0; t < threads; ++t)
+        if (g.lanes[t].op == kBarrier) g.lanes[t].op = kRun;
+      ++g.barriers;
+      progressed = true;
+    }
+    if (!progressed) {
+      last_error() = "deadlock";
+      return false;
+    }
+  }
+}
+
+template <class V>
+inline float lane_value(V v, int i, bool bf16) {
+  if (bf16) {
+    const uint32_t bits = ((uint32_t)(uint16_t)v[i]) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+  }
+  return (float)v[i];
+}
+
+template <int OP, bool BF16, class AV, class CV>
+inline CV mfma(AV a, AV b, CV c) {
+  Group& g = group();
+  Lane& l = g.lanes[g.cur];
+  for (int i = 0; i < 4; ++i) {
+    l.a[i] = lane_value(a, i, BF16);
+    l.b[i] = lane_value(b, i, BF16);
+    l.c[i] = c[i];
+  }
+  arrive(OP);
+  Lane& r = group().lanes[group().cur];
+  CV d = {r.d[0], r.d[1], r.d[2], r.d[3]};
+  return d;
+}
+
+inline int bpermute(int addr, int v) {
+  Group& g = group();
+  Lane& l = g.lanes[g.cur];
+  l.addr = addr;
+  l.val = (uint32_t)v;
+  arrive(kPermute);
+  return (int)group().lanes[group().cur].res;
+}
+
+inline int fetch_add(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+
+}  // namespace cpa_emu
+
+// The builtins platform.h's HIP branches call.
+#define __builtin_amdgcn_workitem_id_x() (::cpa_emu::group().cur)
+#define __builtin_amdgcn_workgroup_id_x() (::cpa_emu::group().block[0])
+#define __builtin_amdgcn_workgroup_id_y() (::cpa_emu::group().block[1])
+#define __builtin_amdgcn_workgroup_id_z() (::cpa_emu::group().block[2])
+#define __builtin_amdgcn_s_barrier() ::cpa_emu::arrive(::cpa_emu::kBarrier)
+#define __builtin_amdgcn_wave_barrier() ::cpa_emu::arrive(::cpa_emu::kWaveBarrier)
+#define __builtin_amdgcn_fence(order, scope) ((void)0)
+#define __builtin_amdgcn_ds_bpermute(addr, v) ::cpa_emu::bpermute((addr), (v))
+#define __builtin_amdgcn_exp2f(x) ::exp2f(x)
+#define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) \
+  ::cpa_emu::mfma<::cpa_emu::kMfma16, false>((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_16x16x16bf16_1k(a, b, c, cbsz, abid, blgp) \
+  ::cpa_emu::mfma<::cpa_emu::kMfma16, true>((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_4x4x4f16(a, b, c, cbsz, abid, blgp) \
+  ::cpa_emu::mfma<::cpa_emu::kMfma4, false>((a), (b), (c))
+#define __builtin_amdgcn_mfma_f32_4x4x4bf16_1k(a, b, c, cbsz, abid, blgp) \
+  ::cpa_emu::mfma<::cpa_emu::kMfma4, true>((a), (b), (c))
+#define __HIP_MEMORY_SCOPE_AGENT 0
+#define __hip_atomic_fetch_add(p, v, order, scope) ::cpa_emu::fetch_add((p), (v))
+#define __hip_atomic_store(p, v, order, scope) ((void)(*(p) = (v)))
+
+inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
+inline float __uint_as_float(unsigned x) { float f; memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned x; memcpy(&x, &f, 4); return x; }
+// (HIP's integer max / min device functions)
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }

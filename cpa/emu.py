@@ -1,0 +1,165 @@
+"""The AMD kernels executed on the host CPU: a wave emulator for the HIP code path.
+
+No AMD GPU is available to this project, so the HIP side of ``cpa/csrc`` -- wave64, the
+``ds_bpermute`` shuffles, the ``v_mfma_f32_16x16x16`` and ``v_mfma_f32_4x4x4`` (16 blocks)
+operand layouts, LDS and barriers -- would otherwise only ever be compiled. Here the same
+kernel source is compiled for the host with ``-DCPA_EMU`` (``cpa/csrc/emu/``): every HIP
+builtin the kernels call is emulated, each lane is a fiber, and a wave-wide operation is
+computed once every live lane of the wave has reached it (lanes of one wave waiting at
+different ones are reported as a divergent collective). The grid is walked one workgroup at
+a time. It checks the AMD lane mappings, control flow and results against ``cpa.reference``;
+it says nothing about MI300 timing, ISA scheduling or the memory model.
+
+``paged_attention(...)`` takes CPU tensors and the same arguments as ``cpa.paged_attention``
+(validated by the same function), with an explicit ``partition_size`` and ``tiling``. Slow
+(a few thousand wave operations per second): small shapes only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import variants as V
+from .jit import CSRC, cache_root
+from .ops import FP8_DECODE_FACTOR, LOG2E
+from .validation import validate_paged_attention_args
+
+EMU = CSRC / "emu"
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-DCPA_EMU")
+
+
+def find_compiler() -> str:
+    """clang++ (19 first: the compiler of the gfx942 analysis); the emulator needs clang's
+    ext_vector_type and _Float16 on the host."""
+    import shutil
+
+    for c in ("clang++-19", "clang++"):
+        if shutil.which(c):
+            return c
+    raise RuntimeError("the wave emulator needs clang++ (apt-get install clang-19)")
+
+
+def _digest(compiler: str, variant: V.Variant) -> str:
+    h = hashlib.sha256()
+    for p in sorted([*CSRC.glob("*.h"), *EMU.glob("*.h")]):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join([compiler, *FLAGS, variant.name]).encode())
+    return h.hexdigest()[:16]
+
+
+def source(variant: V.Variant) -> str:
+    return f'#include "emu/launch_emu.h"\nCPA_DEFINE_EMU_VARIANT("{variant.name}", {variant.cpp_config()})\n'
+
+
+@dataclass
+class EmuKernel:
+    variant: V.Variant
+    path: Path
+    lib: ctypes.CDLL
+
+    def __post_init__(self) -> None:
+        L = self.lib
+        vp, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+        L.cpa_variant.restype = ctypes.c_char_p
+        L.cpa_emu_error.restype = ctypes.c_char_p
+        L.cpa_emu_wave_ops.restype = i64
+        L.cpa_emu_attention.restype = i32
+        L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp]
+        L.cpa_emu_reduce.restype = i32
+        L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 3
+        if L.cpa_variant().decode() != self.variant.name:
+            raise RuntimeError(f"{self.path} holds {L.cpa_variant().decode()}, not {self.variant.name}")
+
+    def check(self, err: int, what: str) -> None:
+        if err:
+            raise RuntimeError(f"{what} of {self.variant.name} in the wave emulator: {self.lib.cpa_emu_error().decode()}")
+
+    @property
+    def wave_ops(self) -> int:
+        """Wave-wide operations (matrix instructions, permutes, wave barriers) emulated so far."""
+        return int(self.lib.cpa_emu_wave_ops())
+
+
+_loaded: dict[str, EmuKernel] = {}
+
+
+def build(variant: V.Variant) -> EmuKernel:
+    """Compile (or load from the disk cache) the host build of one HIP variant."""
+    if variant.platform != "hip":
+        raise ValueError(f"the wave emulator runs the HIP kernels; {variant.name} is a {variant.platform} variant")
+    cxx = find_compiler()
+    key = _digest(cxx, variant)
+    if key in _loaded:
+        return _loaded[key]
+    out = cache_root() / "emu" / f"{variant.name}-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as work:
+            src = Path(work) / "tu.cpp"
+            src.write_text(source(variant))
+            tmp = Path(work) / out.name
+            p = subprocess.run([cxx, *FLAGS, f"-I{CSRC}", str(src), "-o", str(tmp)], capture_output=True, text=True,
+                               timeout=600)
+            if p.returncode:
+                raise RuntimeError(f"emulator build of {variant.name} failed:\n{p.stderr[-4000:]}")
+            os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+    k = _loaded[key] = EmuKernel(variant, out, ctypes.CDLL(str(out)))
+    return k
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size: int,
+                    tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                    fused_reduce: bool = False, return_intermediates: bool = False):
+    """The HIP kernel of (tiling, partition_size) on CPU tensors, through the wave emulator:
+    the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
+    of each sequence and KV head combines). Outputs start NaN-poisoned."""
+    shape = validate_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
+        kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
+        head_sizes=V.HEAD_SIZES, block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16))
+    if query.device.type != "cpu":
+        raise ValueError("the wave emulator runs on CPU tensors")
+    variant = V.variant_for(tiling=tiling, partition_size=partition_size, head_size=shape.head_size,
+                            block_size=shape.block_size, dtype=shape.query_dtype,
+                            kv_cache_dtype=shape.kv_cache_dtype, gqa_ratio=shape.gqa_ratio, platform="hip")
+    k = build(variant)
+    S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
+    parts = -(-shape.max_seq_len // partition_size)
+    nan = float("nan")
+    out = torch.full_like(query, nan)
+    exp_sums = torch.full((S, H, parts), nan, dtype=torch.float32)
+    max_logits = torch.full_like(exp_sums, nan)
+    tmp_out = torch.full((S, H, parts, D), nan, dtype=torch.float32) if parts > 1 or return_intermediates else None
+    fp8 = shape.kv_cache_dtype == "fp8"
+    scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
+    out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
+    elem = key_cache.element_size()
+    head_stride = D * shape.block_size * elem
+    fused = fused_reduce and parts > 1
+    counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
+    tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
+    k.check(k.lib.cpa_emu_attention(
+        _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
+        S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, shape.num_kv_heads * head_stride, head_stride,
+        scale_log2, out_scale, int(parts == 1), _ptr(counters)), "attention kernel")
+    if parts > 1 and not fused:
+        k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(seq_lens),
+                                     S, H, parts), "reduce kernel")
+    if fused and int(counters.abs().sum()) != 0:
+        raise RuntimeError("the fused reduce left its counters non-zero")
+    if return_intermediates:
+        return out, exp_sums, max_logits, tmp_out
+    return out

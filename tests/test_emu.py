@@ -1,0 +1,166 @@
+"""The AMD (HIP) kernels executed on the CPU by the wave emulator (cpa.emu), against
+cpa.reference: the only execution the AMD code path gets here (no AMD GPU). First the
+emulator itself: its matrix instructions against the operand layouts of AMD's own matrix-core
+examples, its permute, and the errors it must raise.
+
+Matrix: every HIP tiling x partition sizes 64-1024 x {fp16, bf16} x {auto, fp8} at head 128,
+block 16 (GQA 8; mfma4, AMD's small-GQA tiling, at GQA 4); head 64 and 256, block 32, GQA 1 /
+4 / 16, ALiBi and the fused reduce at partition 256; the longest partitions for mfma16. Each
+case runs one batch of the edge lengths {1, 17, P-1, P, P+1, 3P+7} with 2 KV heads, outputs
+and intermediates NaN-poisoned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import subprocess
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cpa import reference
+from cpa import variants as V
+
+emu = pytest.importorskip("cpa.emu")
+try:
+    CXX = emu.find_compiler()
+except RuntimeError as e:  # pragma: no cover - CI installs clang-19
+    pytest.skip(str(e), allow_module_level=True)
+
+TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+GQA = {"mfma16": 8, "mfma4": 4, "scalar": 8}  # mfma4 holds 4 heads on AMD
+
+
+# ------------------------------------------------------------------ the emulator itself
+@pytest.fixture(scope="module")
+def selftest(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emu") / "selftest.so"
+    src = Path(__file__).parent / "emu" / "selftest.cpp"
+    subprocess.run([CXX, *emu.FLAGS, f"-I{emu.CSRC}", str(src), "-o", str(out)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    lib.emu_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _bits(x: np.ndarray, bf16: bool) -> np.ndarray:
+    t = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16 if bf16 else torch.float16)
+    return t.view(torch.int16).numpy().view(np.uint16).copy(), t.float().numpy()
+
+
+@pytest.mark.parametrize("shape", [16, 4])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_emulated_mfma_is_the_documented_product(selftest, shape, bf16):
+    rng = np.random.default_rng(shape + bf16)
+    dims = (16, 16) if shape == 16 else (16, 4, 4)
+    a, af = _bits(rng.standard_normal(dims), bf16)
+    b, bf = _bits(rng.standard_normal(dims), bf16)
+    d = np.full(dims, np.nan, dtype=np.float32)
+    ptr = lambda x: x.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    assert selftest.mfma_product(shape, int(bf16), ptr(a), ptr(b), ptr(d)) == 0, selftest.emu_error()
+    np.testing.assert_allclose(d, af @ bf, rtol=1e-5, atol=1e-5)
+
+
+def test_emulated_permute_and_its_errors(selftest):
+    out = np.full(64, np.nan, dtype=np.float32)
+    p = out.ctypes.data_as(ctypes.c_void_p)
+    assert selftest.shuffle(0, 5, p) == 0
+    assert out.tolist() == [100.0 + (lane ^ 5) for lane in range(64)]
+    assert selftest.shuffle(1, 1, p) == 1
+    assert b"ds_bpermute with 32 exited lanes" in selftest.emu_error()
+    assert selftest.shuffle(2, 1, p) == 1
+    assert b"divergent collective" in selftest.emu_error()
+
+
+# ------------------------------------------------------------------ the kernels
+def case_id(c):
+    return (f"{c['tiling']}-p{c['partition_size']}-{c['dtype']}-{c['kv']}-h{c['head_size']}-b{c['block_size']}"
+            f"-g{c['gqa']}{'-alibi' if c['alibi'] else ''}{'-fused' if c['fused'] else ''}")
+
+
+def _cases():
+    cases = []
+    for t in V.TILINGS:
+        for p in (64, 128, 256, 512, 1024):
+            for dt in V.DTYPES:
+                for kv in V.KV_CACHE_DTYPES:
+                    cases.append(dict(tiling=t, partition_size=p, dtype=dt, kv=kv))
+        for i, ax in enumerate([dict(head_size=64), dict(head_size=256), dict(block_size=32), dict(gqa=1),
+                                dict(gqa=4), dict(gqa=16), dict(alibi=True), dict(fused=True)]):
+            cases.append(dict(tiling=t, partition_size=256, dtype=V.DTYPES[i % 2],
+                              kv=V.KV_CACHE_DTYPES[(i // 2) % 2], **ax))
+    for p in (2048, 4096):
+        cases.append(dict(tiling="mfma16", partition_size=p, dtype="bf16", kv="auto"))
+    out, seen = [], set()
+    for c in cases:
+        c = dict(dict(head_size=128, block_size=16, gqa=GQA[c["tiling"]], alibi=False, fused=False), **c)
+        if case_id(c) in seen:  # (mfma4's GQA-4 axis case is its base case)
+            continue
+        seen.add(case_id(c))
+        try:
+            c["variant"] = V.variant_for(tiling=c["tiling"], partition_size=c["partition_size"],
+                                         head_size=c["head_size"], block_size=c["block_size"], dtype=c["dtype"],
+                                         kv_cache_dtype=c["kv"], gqa_ratio=c["gqa"], platform="hip")
+        except ValueError:
+            continue  # not an AMD variant (e.g. mfma4 above 4 heads, P 64 with 64-token steps)
+        out.append(c)
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuilt():
+    # every case's variant compiled up front, on all cores (a build is ~1 s of clang)
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(emu.build, {c["variant"] for c in CASES}))
+
+
+def test_matrix_covers_every_hip_tiling_and_the_axes():
+    assert {c["tiling"] for c in CASES} == set(V.TILINGS)
+    assert {c["kv"] for c in CASES} == set(V.KV_CACHE_DTYPES) and {c["dtype"] for c in CASES} == set(V.DTYPES)
+    assert {c["head_size"] for c in CASES} >= {64, 128, 256} and {c["gqa"] for c in CASES} >= {1, 4, 8, 16}
+    assert any(c["fused"] for c in CASES) and any(c["alibi"] for c in CASES)
+    assert len(CASES) >= 60
+
+
+@pytest.mark.parametrize("c", CASES, ids=[case_id(c) for c in CASES])
+def test_hip_kernel_in_the_emulator(c):
+    P = c["partition_size"]
+    lens = [1, 17, P - 1, P, P + 1, 3 * P + 7]
+    seed = zlib.crc32(case_id(c).encode()) % 10_000
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(len(lens), c["gqa"] * 2, 2, c["head_size"], c["block_size"], lens,
+                            dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"], seed=seed, alibi=c["alibi"])
+    kw = inp.as_kwargs()
+    out, es, ml, tmp = emu.paged_attention(**kw, partition_size=P, tiling=c["tiling"], fused_reduce=c["fused"],
+                                           return_intermediates=True)
+    ref_out, ref_es, ref_ml, ref_tmp = reference.paged_attention(**kw, partition_size=P, return_intermediates=True)
+    assert not torch.isnan(out).any(), "output has unwritten (NaN) elements"
+    tol = reference.REL_ERR_TOL[inp.query.dtype]
+    err = reference.relative_error(out, ref_out, per_seq=True)
+    assert err <= tol, f"output relative error {err:.3g} > {tol:g}"
+    parts = torch.tensor([math.ceil(s / P) for s in lens])
+    valid = (torch.arange(ml.shape[-1])[None, :] < parts[:, None])[:, None, :].expand_as(ml)
+    torch.testing.assert_close(ml[valid], ref_ml[valid], rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(es[valid], ref_es[valid], rtol=2e-3, atol=1e-4)
+    terr = reference.relative_error(tmp[valid], ref_tmp[valid], per_seq=True)
+    assert terr <= tol, f"tmp_out relative error {terr:.3g} > {tol:g}"
+
+
+def test_emulator_refuses_what_it_does_not_run():
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(1, 8, 1, 128, 16, [40], dtype=torch.float16)
+    with pytest.raises(ValueError, match="partition_size"):  # the shared validation, before any build
+        emu.paged_attention(**inp.as_kwargs(), partition_size=100, tiling="mfma16")
+    cuda_variant = V.variant_for(tiling="mfma16", partition_size=256, head_size=128, block_size=16, dtype="fp16",
+                                 kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
+    with pytest.raises(ValueError, match="HIP kernels"):
+        emu.build(cuda_variant)
