@@ -164,3 +164,18 @@ def test_emulator_refuses_what_it_does_not_run():
                                  kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
     with pytest.raises(ValueError, match="HIP kernels"):
         emu.build(cuda_variant)
+
+
+def test_cli_runs_variants_through_the_emulator():
+    from typer.testing import CliRunner
+
+    from cpa.cli import app
+
+    res = CliRunner().invoke(app, ["emu", "--tilings", "mfma16,mfma4", "--partition-sizes", "256",
+                                   "--seq-lens", "5,300"])
+    assert res.exit_code == 0, res.output
+    rows = [ln for ln in res.output.splitlines() if ln.endswith("  ok")]
+    assert [r.split()[0] for r in rows] == ["mfma16-p256-h128-b16-fp16-kvauto-g16-hip",
+                                            "mfma4-p256-h128-b16-fp16-kvauto-g4-hip"]
+    res = CliRunner().invoke(app, ["emu", "--dtype", "fp64"])
+    assert res.exit_code == 2 and "fp16 or bf16" in res.output
