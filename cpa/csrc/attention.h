@@ -16,8 +16,9 @@ namespace cpa {
 // left alone, clang puts the output accumulators in AGPRs and allocates VGPRs and AGPRs apart
 // (gfx942 head 128: 145 + 32 = 2 waves per SIMD); asked for 2, it keeps them in VGPRs (146,
 // no spills) and the kernel fits 3 waves per SIMD (head 64: 4 -> 5). Compiled only (clang 19,
-// gfx942 and gfx90a; data/static): no MI300 has run it. mfma4, scalar and head 256 gain
-// nothing there (LDS- or register-bound, spills), NVIDIA spilled at 3 (1.5-1.9x slower).
+// gfx942 and gfx90a; data/static): no MI300 has run it. scalar and head 256 gain nothing
+// there (LDS- or register-bound), NVIDIA spilled at 3 (1.5-1.9x slower). (mfma4 reaches 2
+// waves per SIMD at head 128 unasked since its P x V holds 4 dims per block: tilings.h.)
 #ifndef CPA_MIN_BLOCKS
 #define CPA_MIN_BLOCKS 0
 #endif

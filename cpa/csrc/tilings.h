@@ -17,7 +17,7 @@
 //   lhead(lh)         query head (within the group) of local head lh of this lane
 //   o_coord(e, h, d)  query head and dimension of output element e
 //   reduce_max/sum    over the lanes that hold the same head (the token lanes)
-//   finalize_o        cross-lane sums still owed by the tiling (mfma4 on AMD)
+//   finalize_o        cross-lane sums still owed by the tiling after the loop (none today)
 //   writer / lh_writer       which lanes store outputs / per-head statistics
 //
 // Contraction dimensions (head_size in QK, tokens in PV) may be permuted freely as long as
@@ -346,25 +346,33 @@ struct Mfma16Tiles {
 };
 
 // v_mfma_f32_4x4x4_16b: 16 independent 4x4x4 blocks, lane l = 4 b + c in block b.
-// A_b[i = c][k], B_b[k][j = c], D_b[i = 0..3][j = c]. Each block takes 4 tokens, so a step
-// is 64 tokens with lane = token in QK; heads (GQA <= 4) in j. The QK result is the B
-// operand of P x V in place; each block then holds a partial output over its 4 tokens,
-// summed across blocks once per partition (finalize_o).
-template <class T, int HEAD, int BLOCK, bool FP8>
+// A_b[i = c][k], B_b[k][j = c], D_b[i = 0..3][j = c]. Each block takes 4 tokens in QK, so a
+// step is 64 tokens with lane = token there, heads (GQA <= 4) in j: lane 4 b + c ends QK with
+// P[head c][tokens 4 b + 0..3]. In P x V each block takes 4 head dims instead (dims
+// 64 p + 4 b + i in i, tokens in k, heads in j), so a lane's output is 4 dims x one head per
+// 64 dims -- 8 accumulators at head 128, where summing partial outputs over the token blocks
+// held 128 per lane (459 registers: 1 wave per SIMD) and cost 512 permutes per partition.
+// Every block then needs P of all 64 tokens: each lane puts its 4 values in a per-wave LDS
+// row per head (512 bytes) and reads its head's row back (8 x 16 bytes, a broadcast).
+template <class T, int HEAD, int BLOCK, bool FP8, int NW>
 struct Mfma4Tiles {
   using KV_ = PagedKV<HEAD, BLOCK, FP8>;
   static constexpr int TOKENS = 64;
   static constexpr int HEADS_CAP = 4;
   static constexpr int X = KV_::X;
   static constexpr int KR = X / 2;
-  static constexpr int KL = HEAD / X;  // key loads per token
-  static constexpr int MG = HEAD / 4;  // 4-row head-dim groups in P x V
+  static constexpr int KL = HEAD / X;   // key loads per token
+  static constexpr int MP = HEAD / 64;  // 64-dim passes of P x V
   static constexpr int NS = 4;
-  static constexpr int NO = MG * 4;
+  static constexpr int NO = MP * 4;
   static constexpr int LH = 1;
+  static constexpr int ROW_BYTES = HEADS_CAP * TOKENS * 2;  // P of one step, [head][token] 16-bit
+  static constexpr int SMEM_BYTES = NW * ROW_BYTES;
+  static_assert(HEAD % 64 == 0, "mfma4 takes head dims 64 at a time in P x V");
 
   struct Q { uint32_t r[KL][KR]; };
-  struct KV { uint32_t k[KL][KR]; uint32_t v[MG][2]; };
+  // v[p][j]: head dim 64 p + lane, tokens 8 j + 0..7 of the step (two 4-token k groups)
+  struct KV { uint32_t k[KL][KR]; uint32_t v[MP][TOKENS / 8][4]; };
 
   CPA_DEVICE static int b_() { return lane_id() >> 2; }
   CPA_DEVICE static int c_() { return lane_id() & 3; }
@@ -384,8 +392,8 @@ struct Mfma4Tiles {
   CPA_DEVICE static constexpr int s_lhead(int) { return 0; }
   CPA_DEVICE static constexpr int o_lhead(int) { return 0; }
   CPA_DEVICE static int lhead(int) { return c_(); }
-  CPA_DEVICE static void o_coord(int e, int& h, int& d) { h = c_(); d = e; }  // e = 4 m + r
-  CPA_DEVICE static bool writer() { return b_() == 0; }
+  CPA_DEVICE static void o_coord(int e, int& h, int& d) { h = c_(); d = 64 * (e >> 2) + 4 * b_() + (e & 3); }
+  CPA_DEVICE static bool writer() { return true; }
   CPA_DEVICE static bool lh_writer() { return b_() == 0; }
   CPA_DEVICE static float reduce_max(float x) {
 #pragma unroll
@@ -397,10 +405,7 @@ struct Mfma4Tiles {
     for (int m = 4; m < 64; m <<= 1) x += shfl_xor(x, m);
     return x;
   }
-  CPA_DEVICE static void finalize_o(float (&o)[NO]) {
-#pragma unroll
-    for (int e = 0; e < NO; ++e) o[e] = reduce_sum(o[e]);
-  }
+  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
   template <int PARTS = kLoadKV, class Src = KV_>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     if constexpr (PARTS & kLoadK) {
@@ -410,15 +415,25 @@ struct Mfma4Tiles {
     for (int p = 0; p < KL; ++p) load_chunk<T, FP8>(kv.k[p], c.k_ptr(kb, ktok, p * X));
     }
     if constexpr (!(PARTS & kLoadV)) return;
-    const int vtok = tok0 + 4 * b_();
-    const int64_t vb = c.block_offset(vtok);
+    // every lane reads all 64 tokens of its dims: the step's blocks, one table entry each
+    constexpr int NB = TOKENS / BLOCK > 0 ? TOKENS / BLOCK : 1, CH = BLOCK / 8 < 8 ? BLOCK / 8 : 8;
 #pragma unroll
-    for (int m = 0; m < MG; ++m) load4_elems<T, FP8>(kv.v[m], c.v_ptr(vb, 4 * m + c_(), vtok));
+    for (int bi = 0; bi < NB; ++bi) {
+      const int64_t vb = c.block_offset(tok0 + bi * BLOCK);
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int tok = tok0 + bi * BLOCK + 8 * j;
+#pragma unroll
+        for (int p = 0; p < MP; ++p) load8_elems<T, FP8>(kv.v[p][bi * CH + j], c.v_ptr(vb, 64 * p + lane_id(), tok));
+      }
+    }
     if (partial) {
 #pragma unroll
-      for (int m = 0; m < MG; ++m)
+      for (int p = 0; p < MP; ++p)
 #pragma unroll
-        for (int u = 0; u < 2; ++u) kv.v[m][u] = mask_pair(kv.v[m][u], vtok + 2 * u, c.seq_len);
+        for (int j = 0; j < TOKENS / 8; ++j)
+#pragma unroll
+          for (int u = 0; u < 4; ++u) kv.v[p][j][u] = mask_pair(kv.v[p][j][u], tok0 + 8 * j + 2 * u, c.seq_len);
     }
   }
   CPA_DEVICE static void qk(float (&s)[NS], const Q& q, const KV& kv, void*) {
@@ -429,15 +444,28 @@ struct Mfma4Tiles {
 #pragma unroll
       for (int j = 0; j < KR / 2; ++j) mfma<MfmaShape::k4x4x4_16b, T>(s, kv.k[p][2 * j], kv.k[p][2 * j + 1], q.r[p][2 * j], q.r[p][2 * j + 1]);
   }
-  CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void*) {
-    const uint32_t b0 = T::pack(pf[0], pf[1]), b1 = T::pack(pf[2], pf[3]);
+  CPA_DEVICE static void pv(float (&o)[NO], const float (&pf)[NS], const KV& kv, void* smem) {
+    uint8_t* rows = reinterpret_cast<uint8_t*>(smem) + wave_id() * ROW_BYTES;
+    wave_sync();  // the previous step's reads of the rows are done
+    uint32_t* mine = reinterpret_cast<uint32_t*>(rows + (c_() * TOKENS + 4 * b_()) * 2);
+    mine[0] = T::pack(pf[0], pf[1]);
+    mine[1] = T::pack(pf[2], pf[3]);
+    wave_sync();
+    uint32_t pb[TOKENS / 2];  // P[head c][tokens 0..63], packed pairs
 #pragma unroll
-    for (int m = 0; m < MG; ++m) {
-      float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[4 * m]);
-      mfma<MfmaShape::k4x4x4_16b, T>(acc, kv.v[m][0], kv.v[m][1], b0, b1);
+    for (int i = 0; i < TOKENS / 8; ++i) {
+      const u32x4 w = lds16(rows + c_() * TOKENS * 2 + 16 * i);
+      pb[4 * i] = w.x; pb[4 * i + 1] = w.y; pb[4 * i + 2] = w.z; pb[4 * i + 3] = w.w;
+    }
+#pragma unroll
+    for (int p = 0; p < MP; ++p) {
+      float(&acc)[4] = *reinterpret_cast<float(*)[4]>(&o[4 * p]);
+#pragma unroll
+      for (int g = 0; g < TOKENS / 4; ++g)  // tokens 4 g + 0..3: A = V[dims][tokens], B = P[tokens][heads]
+        mfma<MfmaShape::k4x4x4_16b, T>(acc, kv.v[p][g >> 1][2 * (g & 1)], kv.v[p][g >> 1][2 * (g & 1) + 1],
+                                       pb[2 * g], pb[2 * g + 1]);
     }
   }
-  static constexpr int SMEM_BYTES = 0;
 };
 #endif  // CPA_HIP
 
@@ -582,7 +610,7 @@ struct TilingFor<TilingMfma16, T, HEAD, BLOCK, FP8, CAP, NW> {
 template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
 struct TilingFor<TilingMfma4, T, HEAD, BLOCK, FP8, CAP, NW> {
   static_assert(CAP == 4, "mfma4 holds 4 heads");
-  using type = Mfma4Tiles<T, HEAD, BLOCK, FP8>;
+  using type = Mfma4Tiles<T, HEAD, BLOCK, FP8, NW>;
 };
 #endif
 template <class T, int HEAD, int BLOCK, bool FP8, int CAP, int NW>
