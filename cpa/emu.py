@@ -163,3 +163,33 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     if return_intermediates:
         return out, exp_sums, max_logits, tmp_out
     return out
+
+
+def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dtype: str = "auto",
+          head_size: int = 128, block_size: int = 16, gqa: int | None = None, seq_lens=(1, 17, 300, 1000),
+          num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None) -> dict:
+    """One HIP variant on one random batch through the emulator against cpa.reference: a row
+    with the variant, the wave operations emulated, the seconds taken, the relative error and
+    whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
+    combination that is not an AMD variant."""
+    import time
+
+    from . import reference
+    from .inputs import make_paged_inputs
+
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    g = gqa or (4 if tiling == "mfma4" else 8)
+    v = V.variant_for(tiling=tiling, partition_size=partition_size, head_size=head_size, block_size=block_size,
+                      dtype=dtype, kv_cache_dtype=kv_cache_dtype, gqa_ratio=g, platform="hip")
+    lens = list(seq_lens)
+    inp = make_paged_inputs(len(lens), g * num_kv_heads, num_kv_heads, head_size, block_size, lens, dtype=dt,
+                            kv_cache_dtype=kv_cache_dtype, seed=partition_size if seed is None else seed)
+    kw = inp.as_kwargs()
+    k = build(v)
+    ops0, t0 = k.wave_ops, time.perf_counter()
+    out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce)
+    secs = time.perf_counter() - t0
+    err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
+    return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,
+                kv_cache_dtype=kv_cache_dtype, head_size=head_size, gqa=g, wave_ops=k.wave_ops - ops0,
+                seconds=secs, rel_err=err, ok=bool(err <= reference.REL_ERR_TOL[dt]))

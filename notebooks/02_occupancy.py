@@ -58,6 +58,28 @@ print(f"sm_90: calculator == cudaOccupancyMaxActiveBlocksPerMultiprocessor on {i
       f"{len(chk)} kernels (measured on {chk.device_name.iloc[0]}, commit {str(chk.git_commit.iloc[0])[:7]})")
 
 # %% [markdown]
+# ## The AMD kernels run: the wave emulator
+# Compiled figures say what clang allocates, not whether the AMD code computes the right
+# thing. `cpa.emu` runs the same HIP source on this machine's CPU through a lock-step wave
+# emulator (wave64, `ds_bpermute`, the MFMA operand layouts AMD documents, LDS and barriers)
+# and compares it with the reference. These rows are **emulated**: correctness and the count
+# of wave-wide operations (MFMA, permutes, wave barriers) per launch, no timing. mfma4's P x V
+# was rebuilt this way (tenth session): 4 head dims per 4x4x4 block instead of 4 tokens, so it
+# owes no sum over the blocks -- about a tenth of the wave operations it needed, and 2 waves per
+# SIMD at head 128 instead of 1 in the table below.
+
+# %%
+from cpa import emu
+
+try:
+    emu.find_compiler()
+    rows = [emu.check(t, p, dtype=dt, kv_cache_dtype=kv)
+            for t in ("mfma16", "mfma4", "scalar") for p in (256, 1024) for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
+    display(pd.DataFrame(rows)[["variant", "wave_ops", "rel_err", "ok"]])
+except RuntimeError as e:  # no clang++ on this machine
+    print(f"emulator skipped: {e}")
+
+# %% [markdown]
 # ## Registers decide the occupancy
 # Attention kernel, fp16, 16-bit KV cache, block 16. The partition size does not change a
 # kernel's registers (it is a loop bound), only the grid; the tiling and the head size do.
