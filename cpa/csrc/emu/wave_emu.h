@@ -8,7 +8,8 @@
 // every live lane of a wave is waiting at the same wave-wide operation it is computed for the
 // whole wave, and a barrier opens when every live thread of the workgroup waits at one.
 // Lanes of one wave waiting at different operations are a divergent collective: an error.
-// Workgroups run one after another, so `__shared__` is a function-local static.
+// Workgroups run one after another, so `__shared__` is a function-local static (thread_local:
+// one emulated workgroup per host thread).
 #pragma once
 
 #include <math.h>
@@ -25,7 +26,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
-#define __shared__ static
+#define __shared__ static thread_local
 
 namespace cpa_emu {
 
@@ -51,12 +52,14 @@ struct Group {
   long long wave_ops = 0, barriers = 0;
 };
 
+// (per host thread: two Python threads may run the emulator at once; a workgroup's fibers all
+// run on the thread that started it)
 inline Group& group() {
-  static Group g;
+  static thread_local Group g;
   return g;
 }
 inline std::string& last_error() {
-  static std::string e;
+  static thread_local std::string e;
   return e;
 }
 
