@@ -338,70 +338,6 @@ struct KVSteps<Cfg, true> {
     j0 += Ring::NBLK;
   }
 };
-#elif CPA_CUDA && CPA_KV_ASYNC == 6
-// The workgroup's ring (WgRingKV): every wave runs every stage of the partition (a wave whose
-// step lies past the partition still copies and meets the barriers; the loop skips its math),
-// halves issued in order K0 V0 K1 V1 ..., one commit group each (empty past the last half).
-template <class Cfg>
-struct KVSteps<Cfg, true> {
-  using Tl = typename Cfg::Tiles;
-  using Ring = typename Tl::Staged;
-  using Cache = typename Ring::Cache;
-  static constexpr int STRIDE = Cfg::NUM_WAVES * Tl::TOKENS;
-  static_assert(Ring::NB * Cfg::block_size == STRIDE, "a stage is one iteration of the fixed loop");
-  const Cache& c;
-  Ring src;
-  uint8_t* slots;
-  int stage0;        // the partition's first token
-  int nhalves;       // 2 x the partition's stages
-  int h = 0;         // the half the next load() / after_qk() reads
-  int ent, ent_next; // lanes < NB: the entries of the stage of the next issue, and of the one after
-  typename Ring::Lane ln;
-  struct Table {};
-  CPA_DEVICE static Table read_table(const int*, int, int) { return {}; }
-  CPA_DEVICE KVSteps(float* smem, const Cache& c, int first, int end, const Table&) : c(c) {
-    slots = reinterpret_cast<uint8_t*>(smem + Cfg::STAGE_AT);
-    stage0 = first - wave_id() * Tl::TOKENS;
-    nhalves = 2 * ((end - stage0 + STRIDE - 1) / STRIDE);
-    src = Ring{slots, stage0, c.seq_len};
-    ln = Ring::lane_chunks();
-    ent = Ring::entries(c, stage0);  // (a partition has a stage: end > its start)
-    Ring::template issue<false>(c, slots, ent, ln);              // half 0: K of stage 0
-    Ring::template issue<true>(c, slots + Ring::HALF, ent, ln);  // half 1: V of stage 0
-    ent_next = nhalves > 2 ? Ring::entries(c, stage0 + STRIDE) : 0;
-  }
-  // The loop's bound: every wave runs every stage.
-  CPA_DEVICE int loop_end() const { return stage0 + nhalves / 2 * STRIDE + wave_id() * Tl::TOKENS; }
-  // Half h: wait for it, hand it over, refill the slot of h - 1 with h + 2, read h.
-  CPA_DEVICE void next_half() {
-    cp_async_wait_but_newest();  // this thread's copies of half h (h + 1 may still fly)
-    barrier();                   // everyone's copies of h landed; everyone has read h - 1
-    const int f = h + 2;
-    uint8_t* dst = slots + (f % 3) * Ring::HALF;
-    if (f < nhalves) {
-      if (f % 2 == 0) {  // K of stage f / 2: its entries were read a half ago
-        ent = ent_next;
-        Ring::template issue<false>(c, dst, ent, ln);
-      } else {
-        Ring::template issue<true>(c, dst, ent, ln);
-        ent_next = f + 1 < nhalves ? Ring::entries(c, stage0 + (f + 1) / 2 * STRIDE) : 0;
-      }
-    } else {
-      cp_async_commit();  // an empty group: the wait above stays "all but the newest"
-    }
-    src.base = slots + (h % 3) * Ring::HALF;
-    src.tok0 = stage0 + h / 2 * STRIDE;
-    ++h;
-  }
-  CPA_DEVICE void load(typename Tl::KV& kv, int tok0, bool partial, int) {
-    next_half();
-    Tl::template load_kv<kLoadK>(kv, src, tok0, partial);
-  }
-  CPA_DEVICE void after_qk(typename Tl::KV& kv, int tok0, bool partial) {
-    next_half();
-    Tl::template load_kv<kLoadV>(kv, src, tok0, partial);
-  }
-};
 #elif CPA_CUDA
 // Slot (arms 1, 2): a step's K and V are one cp.async group; a step waits for its group, reads
 // the slot, then the slot takes the next step's copies.
@@ -494,18 +430,14 @@ CPA_DEVICE float wave_reduce(float x, bool is_max) {
 // loads, for each, the max logits, the exp sums and the partial columns of a round's
 // partitions together (indices clamped, weight 0 past np), then rescales online from round to
 // round. No shared memory and no barrier: the chain is the loads, a few exponentials and the
-// store. (H100: the fused launches take 0.969x the time they took with the earlier combine,
-// geomean over batch 1-8 x 8k-32k; notes/kernel-notes.md, eighth session.)
-// CPA_FUSED_COMBINE=0 keeps the earlier combine (weights through shared memory: one round
-// trip for the max logits, one per head for the exp sums, one for the columns) for the A/B.
-#ifndef CPA_FUSED_COMBINE
-#define CPA_FUSED_COMBINE 1
-#endif
+// store. (Against the earlier combine -- weights through shared memory, a round trip each
+// for the max logits, the exp sums and the columns -- the fused launches took 0.969x the time
+// on an H100 and 0.991x on an H200, best per shape over batch 1-8 x 8k-32k; that combine was
+// removed after the H200 A/B: git has it at 4ebd31f, notes/kernel-notes.md.)
 template <class Cfg>
 CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, float* smem) {
   using T = typename Cfg::Dtype;
   constexpr int HEAD = Cfg::head_size, THREADS = Cfg::THREADS, C4 = HEAD / 4;
-#if CPA_FUSED_COMBINE
   (void)smem;
   // Where a wave's columns all belong to one head (HEAD / 4 a multiple of the wave), lane l
   // loads the max logit and exp sum of the round's partition l % K and the weights reach the
@@ -597,70 +529,6 @@ CPA_DEVICE void combine_partitions(const AttnParams& p, int64_t row0, int np, fl
       }
     }
   }
-#else
-  const int gqa = p.gqa;
-  if (gqa * (np + 1) <= Cfg::SMEM_FLOATS) {
-    float* w = smem;               // [gqa][np]: max logits, then weights
-    float* inv = smem + gqa * np;  // [gqa]: 1 / sum of weights
-    for (int i = thread_idx(); i < gqa * np; i += THREADS) {
-      const int h = i / np, j = i - h * np;
-      w[i] = load_f32_l2(p.max_logits + (row0 + h) * p.max_num_partitions + j);
-    }
-    barrier();
-    for (int h = wave_id(); h < gqa; h += Cfg::NUM_WAVES) {
-      float* wh = w + h * np;
-      const float* es = p.exp_sums + (row0 + h) * p.max_num_partitions;
-      float mx = -INFINITY;
-      for (int j = lane_id(); j < np; j += kWave) mx = fmaxf_(mx, wh[j]);
-      mx = wave_reduce(mx, true);
-      float sum = 0.f;
-      for (int j = lane_id(); j < np; j += kWave) {
-        const float x = load_f32_l2(es + j) * exp2f_fast((wh[j] - mx) * kLog2e);
-        wh[j] = x;
-        sum += x;
-      }
-      sum = wave_reduce(sum, false);
-      if (lane_id() == 0) inv[h] = 1.f / sum;
-    }
-    barrier();
-    for (int idx = thread_idx(); idx < gqa * C4; idx += THREADS) {
-      const int h = idx / C4, c = idx % C4;
-      const float* src = p.tmp_out + (row0 + h) * p.max_num_partitions * HEAD + 4 * c;
-      const float* wh = w + h * np;
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll 8
-      for (int j = 0; j < np; ++j) {
-        const u32x4 v = load16_l2(src + (int64_t)j * HEAD);
-        const float x = wh[j];
-        a0 += x * __uint_as_float(v.x); a1 += x * __uint_as_float(v.y);
-        a2 += x * __uint_as_float(v.z); a3 += x * __uint_as_float(v.w);
-      }
-      const float r = inv[h];
-      uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
-      o[0] = T::pack(a0 * r, a1 * r);
-      o[1] = T::pack(a2 * r, a3 * r);
-    }
-    return;
-  }
-  for (int idx = thread_idx(); idx < gqa * C4; idx += THREADS) {
-    const int h = idx / C4, c = idx % C4;
-    const int64_t base = (row0 + h) * p.max_num_partitions;
-    float mx = -INFINITY;
-    for (int i = 0; i < np; ++i) mx = fmaxf_(mx, load_f32_l2(p.max_logits + base + i));
-    float ws = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    for (int i = 0; i < np; ++i) {
-      const float w = load_f32_l2(p.exp_sums + base + i) * exp2f_fast((load_f32_l2(p.max_logits + base + i) - mx) * kLog2e);
-      const u32x4 v = load16_l2(p.tmp_out + (base + i) * HEAD + 4 * c);
-      ws += w;
-      a0 += w * __uint_as_float(v.x); a1 += w * __uint_as_float(v.y);
-      a2 += w * __uint_as_float(v.z); a3 += w * __uint_as_float(v.w);
-    }
-    const float inv = 1.f / ws;
-    uint32_t* o = reinterpret_cast<uint32_t*>(reinterpret_cast<uint16_t*>(p.out) + (row0 + h) * HEAD + 4 * c);
-    o[0] = T::pack(a0 * inv, a1 * inv);
-    o[1] = T::pack(a2 * inv, a3 * inv);
-  }
-#endif
 }
 
 // Shared steps (p.steal, direct loads only): the partitions of one (sequence, KV head) share
@@ -754,10 +622,6 @@ struct SharedSteps {
   }
 };
 
-// The workgroup ring (-DCPA_KV_ASYNC=6) on this variant: its waves run the loop in lockstep.
-template <class Cfg>
-constexpr bool kWgRing = CPA_KV_ASYNC == 6 && Cfg::staged;
-
 // The fixed partitions' step sources (direct, staged or ring) with SharedSteps' interface:
 // the partition's steps, from `first`, STRIDE apart, below `end`.
 template <class Cfg>
@@ -768,10 +632,7 @@ struct FixedSteps : KVSteps<Cfg> {
                         const typename Base::Table& t, const AttnParams&, int, int, int, int)
       : Base(smem, cache, first, end, t) {}
   CPA_DEVICE int begin(int first) const { return first; }
-  CPA_DEVICE int stop(int end) const {
-    if constexpr (kWgRing<Cfg>) return Base::loop_end();
-    return end;
-  }
+  CPA_DEVICE int stop(int end) const { return end; }
   CPA_DEVICE int next(int tok0) const { return tok0 + STRIDE; }
   CPA_DEVICE void finish() {}
 };
@@ -962,17 +823,12 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   constexpr int LOAD_ACC = CPA_LOAD_ONLY == 2 ? 64 : 1;
   uint32_t load_acc[LOAD_ACC] = {};
 #endif
-  constexpr bool kRing = kWgRing<Cfg>;
-  const int loop_end = steps.stop(end);  // (fixed partitions: `end`, or the ring's last stage)
+  const int loop_end = steps.stop(end);
   for (int tok0 = kShared ? steps.begin(first) : first; tok0 < (kShared ? steps.stop(end) : loop_end);
        tok0 = kShared ? steps.next(tok0) : tok0 + STRIDE) {
     const bool partial = tok0 + Tl::TOKENS > seq_len;
     typename Tl::KV kv;
     steps.load(kv, tok0, partial, tok0 + STRIDE);
-    if (kRing && tok0 >= end) {  // a wave past the partition: the ring's copies and barriers only
-      steps.after_qk(kv, tok0, partial);
-      continue;
-    }
 #if CPA_LOAD_ONLY
     {  // memory-side experiment: fold the step's registers with XORs, no math (wrong output);
        // 2: into LOAD_ACC loop-carried registers, to hold the real kernel's register count
@@ -1027,9 +883,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   Tl::finalize_o(o);
 
   // Combine the waves pairwise through shared memory, in (head, dim) coordinates.
-#if CPA_CUDA
-  if constexpr (kRing) cp_async_wait_all();  // (only empty groups are left: no copy lands later)
-#endif
   barrier();  // the tiling's own shared memory is free from here on
   for (int half = Cfg::NUM_WAVES / 2; half >= 1; half >>= 1) {
     const int w = wave_id();
@@ -1112,7 +965,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   __shared__ int is_last;
   const int np_seq = (seq_len + PARTITION - 1) / PARTITION;
   int* ctr = p.counters + (int64_t)seq * p.num_kv_heads + kvh;
-#if CPA_FUSED_COMBINE
   // One acquire-release count by one thread: the barrier orders wave 0's partial stores
   // before it (its release makes them visible device-wide with the count), and the last
   // workgroup's acquire orders every other workgroup's partials before its loads (the second
@@ -1124,19 +976,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   if (!is_last) return;
   combine_partitions<Cfg>(p, row0, np_seq, smem);
   if (thread_idx() == 0) *ctr = 0;  // every other workgroup has counted: ready for the next launch
-#else
-  fence_device();  // this workgroup's partials are visible device-wide before it counts
-  barrier();
-  if (thread_idx() == 0) {
-    const int prev = atomic_add_i32(ctr, 1);
-    is_last = prev == np_seq - 1;
-    if (is_last) *ctr = 0;  // every other workgroup has counted: ready for the next launch
-  }
-  barrier();
-  if (!is_last) return;
-  fence_device();
-  combine_partitions<Cfg>(p, row0, np_seq, smem);
-#endif
 #endif
 }
 

@@ -17,8 +17,8 @@ template <class Cfg>
 constexpr int dynamic_smem_bytes() { return CPA_KV_ASYNC ? Cfg::SMEM_FLOATS * 4 : 0; }
 // Above the 48 KiB default a kernel must opt in to its dynamic shared memory -- counted with
 // its static shared memory (the fused reduce's flag), so a kernel with any dynamic shared
-// memory opts in: the workgroup ring at fp8 head 128 asks for exactly 48 KiB, and its launch
-// failed (invalid value) without it (H100, notes/kernel-notes.md).
+// memory opts in: the workgroup ring (a staged loop since removed) at fp8 head 128 asked for
+// exactly 48 KiB, and its launch failed (invalid value) without it (H100, notes/kernel-notes.md).
 template <class Cfg>
 int allow_dynamic_smem() {
   const int dyn = dynamic_smem_bytes<Cfg>();

@@ -15,12 +15,14 @@
 // 4: the slot of 2, with K and V as separate cp.async groups, each refilled with the next
 // step's as soon as it is read into registers (K before QK, V after it): about one step per
 // wave always in flight, K and V never live together (attention.h, KVSteps).
-// 6: a ring for the whole workgroup (WgRingKV): three slots, each the K or the V half of a
-// stage (the four waves' steps of one loop iteration); all threads copy, a barrier hands each
-// half over, so two halves are always in flight during the math (cuDNN's form).
+// (6, a ring for the whole workgroup with barrier hand-offs, cuDNN's form, measured 1.015-1.017x
+// slower on an H200 and 1.009-1.013x on an H100, was removed: git has it at 4ebd31f.)
 // 0: each step loads K and V straight into registers. An A/B knob: CPA_NVCC_FLAGS=-DCPA_KV_ASYNC=1.
 #ifndef CPA_KV_ASYNC
 #define CPA_KV_ASYNC 0
+#endif
+#if CPA_KV_ASYNC < 0 || CPA_KV_ASYNC > 4
+#error "CPA_KV_ASYNC is 0 (direct loads) or one of the staged loops 1-4 above"
 #endif
 // Shared memory a wave's ring may take (-DCPA_KV_ASYNC=3): 4 waves x 27.5 KB keeps two
 // workgroups per SM on Hopper (227 KB).
@@ -135,84 +137,6 @@ struct StagedKV {
         if (PARTS & 1) cp_async16(k + b * SLAB + k_pos(at / (16 * BLOCK), (at / 16) % BLOCK), c.k + boff[b] + at);
         if (PARTS & 2) cp_async16(k + (NBLK + b) * SLAB + v_pos(b, at), c.v + boff[b] + at);
       }
-    cp_async_commit();
-  }
-#endif
-};
-
-// The workgroup's ring (-DCPA_KV_ASYNC=6): a stage is one iteration of the fixed loop, the
-// NWAVES steps of TOKENS tokens that the waves take side by side (wave w: tokens
-// [stage + w TOKENS, + TOKENS)), NB = NWAVES TOKENS / BLOCK cache blocks; its K blocks and its V
-// blocks are two halves, and the ring has three half-slots: half h (stage h / 2, K if h is even)
-// lives in slot h % 3. At half h every thread waits for its own copies of h, a barrier makes
-// every thread's copies visible (and says every wave has read half h - 1), the freed slot takes
-// half h + 2, and then the waves read h into registers: halves h + 1 and h + 2 stay in flight
-// during the math. Each slot keeps the cache's own block layout with StagedKV's swizzle (K
-// chunks by row, V by a wave's block parity), so that load_kv reads it as it reads the cache.
-// Each thread copies CPB / THREADS 16-byte chunks of every block (CPB chunks per block).
-template <int HEAD, int BLOCK, bool FP8, int TOKENS, int NWAVES>
-struct WgRingKV {
-  using Cache = PagedKV<HEAD, BLOCK, FP8>;
-  static constexpr bool kShared = true;
-  static constexpr int ELEM = Cache::ELEM, X = Cache::X;
-  static constexpr int THREADS = NWAVES * kWave;
-  static constexpr int NBLK = TOKENS / BLOCK;          // blocks of one wave's step
-  static constexpr int NB = NWAVES * NBLK;             // blocks of a stage
-  static constexpr int SLAB = HEAD * BLOCK * ELEM;     // one block of K (or of V) of one KV head
-  static constexpr int HALF = NB * SLAB;               // one slot: a stage's K or its V
-  static constexpr int CPB = SLAB / 16;                // 16-byte chunks per block
-  static constexpr bool FITS = TOKENS % BLOCK == 0 && NB <= kWave && CPB % THREADS == 0 && BLOCK >= 8;
-  // per wave, as the per-wave slots count it (AttnConfig multiplies by the waves): 3 halves
-  static constexpr int BYTES = FITS ? 3 * HALF / NWAVES : (1 << 28);
-  static_assert(SLAB >= 128, "the swizzle stays inside a block");
-
-  uint8_t* base;  // the slot being read
-  int tok0;       // the stage's first token
-  int seq_len;
-
-  CPA_DEVICE static constexpr int k_pos(int row, int col) { return (row * BLOCK + (col ^ ((2 * row) & 6))) * 16; }
-  CPA_DEVICE static constexpr int v_pos(int b, int at) { return at ^ (64 * (b & 1)); }
-  CPA_DEVICE int64_t block_offset(int token) const { return (int64_t)((token - tok0) / BLOCK) * SLAB; }
-  CPA_DEVICE const uint8_t* k_ptr(int64_t boff, int token, int d) const {
-    return base + boff + k_pos(d / X, token % BLOCK) + (d % X) * ELEM;
-  }
-  CPA_DEVICE const uint8_t* v_ptr(int64_t boff, int d, int token) const {
-    return base + boff + v_pos((int)(boff / SLAB), (d * BLOCK + token % BLOCK) * ELEM);
-  }
-  // Lane l < NB: the physical block of the stage's block l (clamped into the sequence).
-  CPA_DEVICE static int entries(const Cache& c, int stage_tok0) {
-    return lane_id() < NB ? c.physical_block(stage_tok0 + lane_id() * BLOCK) : 0;
-  }
-  // This thread's chunks of every block, the same in each: chunk t + THREADS r of the block
-  // (r < R), its byte offset in the cache block (also its place in an even V block) and in the
-  // slot's K and odd V layouts. Computed once: thread_idx() < THREADS is known here, not to
-  // the compiler.
-  static constexpr int R = CPB / THREADS;
-  struct Lane { int at[R], kdst[R], vdst1[R]; };
-  CPA_DEVICE static Lane lane_chunks() {
-    Lane ln;
-    const int t = thread_idx();
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int at = (t + THREADS * r) * 16;
-      ln.at[r] = at;
-      ln.kdst[r] = k_pos(at / (16 * BLOCK), (at / 16) % BLOCK);
-      ln.vdst1[r] = v_pos(1, at);
-    }
-    return ln;
-  }
-#if CPA_CUDA
-  // Copy the K (V = false) or V half of the stage whose entries `ent` holds into slot `dst`,
-  // as one commit group (every thread, so that the group count stays uniform).
-  template <bool V>
-  CPA_DEVICE static void issue(const Cache& c, uint8_t* dst, int ent, const Lane& ln) {
-#pragma unroll
-    for (int b = 0; b < NB; ++b) {
-      const uint8_t* src = (V ? c.v : c.k) + (int64_t)shfl_idx_i32(ent, b) * c.block_stride;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        cp_async16(dst + b * SLAB + (V ? (b & 1 ? ln.vdst1[r] : ln.at[r]) : ln.kdst[r]), src + ln.at[r]);
-    }
     cp_async_commit();
   }
 #endif

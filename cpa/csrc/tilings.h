@@ -141,10 +141,8 @@ struct MmaTiles {
 
   // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
   // (Src = Staged): the same lane mapping either way.
-  using Staged = typename std::conditional<
-      CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
-      typename std::conditional<CPA_KV_ASYNC == 6, WgRingKV<HEAD, BLOCK, FP8, TOKENS, 4>,
-                                StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type>::type;
+  using Staged = typename std::conditional<CPA_KV_ASYNC == 3, RingKV<HEAD, BLOCK, FP8, TOKENS>,
+                                           StagedKV<HEAD, BLOCK, FP8, TOKENS>>::type;
   template <int PARTS = kLoadKV, class Src>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     constexpr bool S = Src::kShared;
