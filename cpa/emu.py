@@ -28,32 +28,19 @@ from pathlib import Path
 import torch
 
 from . import variants as V
-from .jit import CSRC, cache_root
-from .ops import FP8_DECODE_FACTOR, LOG2E
+from .jit import CSRC, cache_root, sources_digest
+from .ops import kernel_scalars
+from .static import find_clang
 from .validation import validate_paged_attention_args
 
 EMU = CSRC / "emu"
 FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-DCPA_EMU")
 
 
-def find_compiler() -> str:
-    """clang++ (19 first: the compiler of the gfx942 analysis); the emulator needs clang's
-    ext_vector_type and _Float16 on the host."""
-    import shutil
-
-    for c in ("clang++-19", "clang++"):
-        if shutil.which(c):
-            return c
-    raise RuntimeError("the wave emulator needs clang++ (apt-get install clang-19)")
-
-
 def _digest(compiler: str, variant: V.Variant) -> str:
-    h = hashlib.sha256()
-    for p in sorted([*CSRC.glob("*.h"), *EMU.glob("*.h")]):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    h.update(" ".join([compiler, *FLAGS, variant.name]).encode())
-    return h.hexdigest()[:16]
+    # the kernel headers and the emulator's (clang++ on the host: ext_vector_type, _Float16)
+    key = " ".join([sources_digest(CSRC), sources_digest(EMU), compiler, *FLAGS, variant.name])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def source(variant: V.Variant) -> str:
@@ -96,7 +83,7 @@ def build(variant: V.Variant) -> EmuKernel:
     """Compile (or load from the disk cache) the host build of one HIP variant."""
     if variant.platform != "hip":
         raise ValueError(f"the wave emulator runs the HIP kernels; {variant.name} is a {variant.platform} variant")
-    cxx = find_compiler()
+    cxx = find_clang()
     key = _digest(cxx, variant)
     if key in _loaded:
         return _loaded[key]
@@ -143,17 +130,14 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     exp_sums = torch.full((S, H, parts), nan, dtype=torch.float32)
     max_logits = torch.full_like(exp_sums, nan)
     tmp_out = torch.full((S, H, parts, D), nan, dtype=torch.float32) if parts > 1 or return_intermediates else None
-    fp8 = shape.kv_cache_dtype == "fp8"
-    scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
-    out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
-    elem = key_cache.element_size()
-    head_stride = D * shape.block_size * elem
+    scale_log2, out_scale, block_stride, head_stride = kernel_scalars(shape, scale, k_scale, v_scale,
+                                                                      key_cache.element_size())
     fused = fused_reduce and parts > 1
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
     tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
     k.check(k.lib.cpa_emu_attention(
         _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
-        S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, shape.num_kv_heads * head_stride, head_stride,
+        S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, block_stride, head_stride,
         scale_log2, out_scale, int(parts == 1), _ptr(counters)), "attention kernel")
     if parts > 1 and not fused:
         k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(seq_lens),

@@ -134,6 +134,17 @@ class Launch:
         return self.out
 
 
+def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem: int) -> tuple:
+    """(scale_log2, out_scale, kv_block_stride, kv_head_stride) as the attention kernel takes them:
+    logits in log2 units with k_scale folded in, the output factor with v_scale, and the cache
+    strides in bytes. The kernel decodes fp8 to value / 256, so both scales carry the 256 back."""
+    fp8 = shape.kv_cache_dtype == "fp8"
+    scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
+    out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
+    kv_head_stride = shape.head_size * shape.block_size * kv_elem
+    return scale_log2, out_scale, shape.num_kv_heads * kv_head_stride, kv_head_stride
+
+
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
             return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=None,
@@ -205,12 +216,8 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     need_tmp = (num_partitions > 1 and not cluster) or return_intermediates
     tmp_out = torch.empty(S, H, num_partitions, D, dtype=torch.float32, device=dev) if need_tmp else None
 
-    fp8 = shape.kv_cache_dtype == "fp8"
-    scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
-    out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
-    kv_elem = key_cache.element_size()
-    kv_head_stride = D * shape.block_size * kv_elem
-    kv_block_stride = shape.num_kv_heads * kv_head_stride
+    scale_log2, out_scale, kv_block_stride, kv_head_stride = kernel_scalars(shape, scale, k_scale, v_scale,
+                                                                            key_cache.element_size())
     # per-Launch counters: zeroed once, reset by the kernel itself, so graph replays reuse them
     # (paged_attention's one-shot launches share one buffer per stream instead: no memset per call)
     counters = None

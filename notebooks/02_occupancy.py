@@ -70,9 +70,10 @@ print(f"sm_90: calculator == cudaOccupancyMaxActiveBlocksPerMultiprocessor on {i
 
 # %%
 from cpa import emu
+from cpa.static import find_clang
 
 try:
-    emu.find_compiler()
+    find_clang()
     rows = [emu.check(t, p, dtype=dt, kv_cache_dtype=kv)
             for t in ("mfma16", "mfma4", "scalar") for p in (256, 1024) for dt, kv in (("fp16", "auto"), ("bf16", "fp8"))]
     display(pd.DataFrame(rows)[["variant", "wave_ops", "rel_err", "ok"]])
