@@ -220,6 +220,37 @@ def host_cost(
     print(f"\nwrote {out}")
 
 
+@app.command("host-profile")
+def host_profile(
+    out: str = typer.Option("data/bench/host-profile.csv", help="CSV to write (atomically)."),
+    batch: int = typer.Option(8, help="num_seqs."),
+    context: int = typer.Option(32768, help="max_seq_len."),
+    mode: str = typer.Option("unchecked", help="launch path: checked, unchecked, fresh_counters or prepared."),
+    calls: int = typer.Option(200, help="calls profiled."),
+    top: int = typer.Option(30, help="functions kept: this many by own time and by cumulative time."),
+) -> None:
+    """Where an eager call's host time goes (cProfile, per call; needs a GPU)."""
+    import pandas as pd
+
+    from . import bench as B
+    from . import hostcost as H
+
+    try:
+        df = H.profile(num_seqs=batch, seq_len=context, mode=mode, calls=calls, top=top)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    except RuntimeError as e:
+        typer.echo(f"cpa host-profile: {e}", err=True)
+        raise typer.Exit(2) from None
+    B.write_csv_atomic(df, out)
+    first = df.iloc[0]
+    print(f"{mode}, {batch} x {context}: {first.host_us:.1f} us per call unprofiled, "
+          f"{first.self_us:.1f} us under cProfile")
+    with pd.option_context("display.width", 200, "display.max_colwidth", 90):
+        print(df[["function", "ncalls", "self_us", "cum_us"]].round(2).to_string(index=False))
+    print(f"\nwrote {out}")
+
+
 @app.command()
 def prebuild(
     grid: str = typer.Option("tests", help="'tests' (every variant the GPU tests use) or 'bench'."),

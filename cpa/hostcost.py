@@ -245,3 +245,96 @@ def summary(df):
             row[f"{r['mode']}_wall"] = r["wall_us"]
         out.append(row)
     return pd.DataFrame(out)
+
+
+PROFILE_MODES = ("checked", "unchecked", "fresh_counters", "prepared")
+
+
+def _where(filename: str, line: int, func: str) -> str:
+    """A profile entry's place, short: the path from the package root (cpa/..., torch/...)."""
+    import os
+
+    if filename.startswith("~") or filename.startswith("<"):
+        return func  # a builtin or C function: '{method ...}' as cProfile names it
+    parts = filename.replace(os.sep, "/").split("/")
+    for root in ("cpa", "torch", "triton", "typing", "functools", "dataclasses"):
+        if root in parts[:-1]:
+            parts = parts[len(parts) - 1 - parts[::-1].index(root):]
+            break
+    else:
+        parts = parts[-1:]
+    return f"{'/'.join(parts)}:{line}({func})"
+
+
+def profile(*, num_seqs: int = 8, seq_len: int = 32768, mode: str = "unchecked", calls: int = 200,
+            top: int = 30, num_heads: int = 64, num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16):
+    """Where an eager call's host time goes: cProfile over ``calls`` calls of ``mode``.
+
+    One row per function among the ``top`` by own time and the ``top`` by cumulative time, per
+    call: ``ncalls`` (times it ran per decode call), ``self_us`` and ``cum_us``; the first row,
+    ``<total>``, is the profiled time per call, beside ``host_us``, the same calls' time
+    without the profiler (cProfile's hooks inflate Python-heavy paths: compare shares, not
+    absolute numbers). The output of the mode is checked against the reference first."""
+    import cProfile
+    import pstats
+
+    import pandas as pd
+    import torch
+
+    from . import bench as B
+    from . import reference
+    from .provenance import provenance
+
+    if mode not in PROFILE_MODES:
+        raise ValueError(f"mode: {mode!r}; profile one of {PROFILE_MODES} (graph and sdpa_cudnn spend "
+                         "their host time outside Python)")
+    if calls < 1 or top < 1:
+        raise ValueError("calls and top must be at least 1")
+    if not torch.cuda.is_available():
+        raise RuntimeError("cpa host-profile needs a GPU")
+    sets = B.make_sets(num_seqs, seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                       block_size=block_size, dtype=torch.float16)
+    ref = reference.paged_attention(sets.queries[0], sets.key_cache, sets.value_cache, sets.block_tables[0],
+                                    sets.seq_lens, sets.scale).to(torch.float16)
+    out = torch.empty_like(sets.queries[0])
+    table, launch, _keep = _calls(sets, seq_len, out)
+    call, check = table[mode]
+    got = check(torch.full_like(out, float("nan")))
+    torch.cuda.synchronize()
+    err = reference.relative_error(got, ref, per_seq=True)
+    if not err <= reference.REL_ERR_TOL[torch.float16]:
+        raise RuntimeError(f"{mode}: output differs from the reference (relative error {err:.3g})")
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    cyc = spin_cycles_per_us()
+    plain = _median([host_us(call, calls, cyc) if mode != "checked" else wall_us(call, calls) for _ in range(5)])
+
+    prof = cProfile.Profile()
+    if mode != "checked":  # (the checked call syncs: a spin ahead of it would be profiled as its wait)
+        torch.cuda._sleep(int(SPIN_US_PER_CALL * calls * cyc))  # keeps the launches from waiting on the device
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, func): (primitive calls, calls, own s, cumulative s, callers)}
+    merged: dict[str, list] = {}  # (two builtins of one name are one row)
+    for k, (_cc, nc, tt, ct, _callers) in stats.items():
+        m = merged.setdefault(_where(*k), [0.0, 0.0, 0.0])
+        m[0] += nc / calls
+        m[1] += tt * 1e6 / calls
+        m[2] += ct * 1e6 / calls
+    entries = [(f, n, s, c) for f, (n, s, c) in merged.items()]
+    total = sum(e[2] for e in entries)
+    keep = {e[0] for e in sorted(entries, key=lambda e: -e[2])[:top]}
+    keep |= {e[0] for e in sorted(entries, key=lambda e: -e[3])[:top]}
+    rows = [dict(function="<total>", ncalls=1.0, self_us=total, cum_us=total)]
+    rows += [dict(function=f, ncalls=n, self_us=s, cum_us=c) for f, n, s, c in
+             sorted((e for e in entries if e[0] in keep), key=lambda e: -e[3])]
+    base = dict(num_seqs=num_seqs, max_seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_size=head_size, block_size=block_size, dtype="fp16", mode=mode, calls=calls,
+                tiling=launch.kernel.variant.tiling, partition_size=launch.shape.partition_size,
+                host_us=plain, max_rel_err=float(err))
+    prov = provenance()
+    return pd.DataFrame([dict(base, **r, **prov) for r in rows])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
-# racecheck-async, hostcost,
+# racecheck-async, hostcost, hostprofile,
 # ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -340,6 +340,16 @@ PYEOF
       tag=$(echo "$GPU_NAME" | grep -o 'H[0-9]\{3\}' | head -1 | tr A-Z a-z); tag=${tag:-gpu}
       CPA_COMMAND="python3 -m cpa host-cost --out data/bench/$tag-host-cost.csv ${CPA_HC_ARGS:-}" \
         timeout ${CPA_HC_TIMEOUT:-300} $PY -m cpa host-cost --no-progress --out "$OUT/$tag-host-cost.csv" ${CPA_HC_ARGS:-} 2>&1 | tail -40
+      ;;
+    hostprofile)
+      # where the eager call's host time goes (cProfile per call; cpa host-profile), each mode
+      # that runs Python per call, at batch 8 x 32k; on any card, the file named after it
+      tag=$(echo "$GPU_NAME" | grep -o 'H[0-9]\{3\}' | head -1 | tr A-Z a-z); tag=${tag:-gpu}
+      for m in ${CPA_HP_MODES:-unchecked prepared checked}; do
+        CPA_COMMAND="python3 -m cpa host-profile --mode $m --out data/bench/$tag-host-profile-$m.csv ${CPA_HP_ARGS:-}" \
+          timeout ${CPA_HP_TIMEOUT:-120} $PY -m cpa host-profile --mode $m --out "$OUT/$tag-host-profile-$m.csv" \
+          ${CPA_HP_ARGS:-} 2>&1 | tail -45
+      done
       ;;
     readpattern)
       # the K/V bytes of 8 x 32k read by a plain Triton reader: contiguous, paged (one KV head

@@ -77,3 +77,32 @@ def test_host_cost_on_the_gpu():
     assert by.loc["graph", "host_us"] < by.loc["unchecked", "host_us"]
     assert by.loc["unchecked", "wall_us"] < by.loc["checked", "wall_us"]  # the check's sync
     assert (by["wall_us"] >= 0.9 * by["device_us"]).all(), by[["wall_us", "device_us"]]
+
+
+def test_profile_entries_are_named_from_the_package_root():
+    assert H._where("/usr/lib/python3/site-packages/torch/cuda/__init__.py", 12, "current_stream") == \
+        "torch/cuda/__init__.py:12(current_stream)"
+    assert H._where("/work/main/cpa/ops.py", 148, "prepare") == "cpa/ops.py:148(prepare)"
+    assert H._where("~", 0, "<method 'data_ptr' of 'torch._C.TensorBase' objects>") == \
+        "<method 'data_ptr' of 'torch._C.TensorBase' objects>"
+    assert H._where("/opt/x/thing.py", 3, "f") == "thing.py:3(f)"
+
+
+def test_profile_refuses_bad_options_before_any_gpu_work(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: (_ for _ in ()).throw(AssertionError("GPU touched")))
+    with pytest.raises(ValueError, match="graph"):
+        H.profile(mode="graph")
+    with pytest.raises(ValueError, match="at least 1"):
+        H.profile(calls=0)
+
+
+@pytest.mark.gpu
+def test_host_profile_on_the_gpu():
+    """The profile of the eager call names prepare and the kernel launch, and its functions' own
+    times add up to the total row."""
+    df = H.profile(num_seqs=1, seq_len=2048, calls=20, top=10)
+    total = df.iloc[0]
+    assert total.function == "<total>" and total.self_us > 0
+    assert df.function.str.contains(r"cpa/ops.py:\d+\(prepare\)").any()
+    assert df.self_us.iloc[1:].sum() <= total.self_us * 1.0001
+    assert (df.ncalls.iloc[1:] > 0).all()
