@@ -36,10 +36,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpa" / "kernels"
 
 
+_arch_by_index: dict[int, tuple[str, str]] = {}
+
+
 def device_arch(device=None) -> tuple[str, str]:
     """(platform, arch) of a torch device: ('cuda', 'sm_90') or ('hip', 'gfx942')."""
     import torch
 
+    # the eager launch path asks per call: kept per device index (the properties query and
+    # is_available cost ~20 us of host time per call, cpa host-profile)
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index in _arch_by_index:
+        return _arch_by_index[device.index]
     if not torch.cuda.is_available():
         raise RuntimeError("no GPU is visible to torch (torch.cuda.is_available() is False)")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -47,8 +54,11 @@ def device_arch(device=None) -> tuple[str, str]:
         raise ValueError(f"device={dev} is not a GPU device")
     props = torch.cuda.get_device_properties(dev)
     if getattr(torch.version, "hip", None):
-        return "hip", props.gcnArchName.split(":")[0]
-    return "cuda", f"sm_{props.major}{props.minor}"
+        found = "hip", props.gcnArchName.split(":")[0]
+    else:
+        found = "cuda", f"sm_{props.major}{props.minor}"
+    _arch_by_index[dev.index if dev.index is not None else torch.cuda.current_device()] = found
+    return found
 
 
 @lru_cache(maxsize=None)
@@ -240,7 +250,7 @@ def build(variant: Variant, device=None, *, verbose: bool = False) -> BuiltKerne
     platform, arch = device_arch(device)
     if variant.platform != platform:
         raise ValueError(f"variant {variant.name} is for platform {variant.platform!r}, the device is {platform!r}")
-    key = (variant.name, arch)
+    key = (variant.name, arch, os.environ.get("CPA_NVCC_FLAGS", ""))  # (the flags key the disk cache too)
     if key in _loaded:
         return _loaded[key]
     lib_path, from_cache, seconds = compile_variant(variant, arch, verbose=verbose)

@@ -118,20 +118,34 @@ class Launch:
     def num_partitions(self) -> int:
         return self.shape.max_num_partitions
 
-    def attention(self) -> None:
-        stream = torch.cuda.current_stream(self.out.device).cuda_stream
+    def _stream(self) -> int:
+        return current_raw_stream(self.out.device.index)
+
+    def attention(self, stream: int | None = None) -> None:
+        stream = self._stream() if stream is None else stream
         self.kernel.check(self.kernel.attention(*self.attn_args, stream), "attention")
 
-    def reduce(self) -> None:
+    def reduce(self, stream: int | None = None) -> None:
         if self.reduce_args is None:
             return
-        stream = torch.cuda.current_stream(self.out.device).cuda_stream
+        stream = self._stream() if stream is None else stream
         self.kernel.check(self.kernel.reduce(*self.reduce_args, stream), "reduce")
 
     def __call__(self) -> torch.Tensor:
-        self.attention()
-        self.reduce()
+        stream = self._stream()
+        self.attention(stream)
+        self.reduce(stream)
         return self.out
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The current stream of a device as the launcher takes it (cudaStream_t / hipStream_t).
+    torch's raw-stream query costs well under a microsecond where building a Stream object
+    costs ~8 us (cpa host-profile); the public route stays as the fallback."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem: int) -> tuple:
@@ -245,8 +259,17 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     return launch
 
 
+_sms_by_device: dict[torch.device, int] = {}
+
+
 def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    # kept per device: the properties query costs ~8 us per call of the eager path
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    if device not in _sms_by_device:
+        _sms_by_device[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms_by_device[device]
 
 
 # The fused reduce's counters for launches that are made and run at once (paged_attention): one
@@ -276,13 +299,17 @@ def stream_counters(n: int, device) -> torch.Tensor:
 _resident: dict[tuple, int] = {}
 
 
+@functools.lru_cache(maxsize=1024)
+def _sans_partition(variant: V.Variant) -> tuple:
+    return tuple(getattr(variant, f.name) for f in dataclasses.fields(variant) if f.name != "partition_size")
+
+
 def resident_per_sm(variant: V.Variant, device) -> int:
     """Attention workgroups of `variant` one SM/CU of `device` holds at once (the runtime's
     occupancy query on the built kernel). Every partition size of a variant has the same
     registers and shared memory to within a few registers (data/static/sm_90.csv), so the
     answer is kept per variant without its partition size, per device and compiler flags."""
-    key = (tuple(getattr(variant, f.name) for f in dataclasses.fields(variant) if f.name != "partition_size"),
-           str(torch.device(device)), tuple(extra_flags()))
+    key = (_sans_partition(variant), str(torch.device(device)), tuple(extra_flags()))
     if key not in _resident:
         _resident[key] = int(build(variant, device).attributes()["attention"]["blocks_per_sm"])
     return _resident[key]

@@ -8,6 +8,7 @@ compiler runs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import asdict, dataclass
 from typing import Iterable, Iterator
@@ -225,6 +226,17 @@ def heads_cap_for(tiling: str, platform: str, gqa_ratio: int) -> int:
 
 def variant_for(*, tiling: str, partition_size: int, head_size: int, block_size: int, dtype, kv_cache_dtype: str,
                 gqa_ratio: int, platform: str) -> Variant:
+    """The variant that serves a launch of these parameters (ValueError where none does)."""
+    args = (tiling, partition_size, head_size, block_size, dtype, kv_cache_dtype, gqa_ratio, platform)
+    try:
+        return _variant_for(*args)
+    except TypeError:  # an unhashable argument: not kept
+        return _variant_for.__wrapped__(*args)
+
+
+# the eager launch path asks per call (~12 us each to build and validate a Variant)
+@functools.lru_cache(maxsize=4096)
+def _variant_for(tiling, partition_size, head_size, block_size, dtype, kv_cache_dtype, gqa_ratio, platform) -> Variant:
     return Variant(tiling=tiling, partition_size=int(partition_size), head_size=int(head_size),
                    block_size=int(block_size), dtype=dtype_name(dtype), kv_cache_dtype=kv_name(kv_cache_dtype),
                    heads_cap=heads_cap_for(tiling, platform, gqa_ratio), platform=platform)

@@ -71,3 +71,48 @@ def test_cache_key_changes_with_sources_and_variant(monkeypatch):
     assert k1 != b.cache_key(v1, "sm_100")
     monkeypatch.setattr(b, "sources_digest", lambda: "other")
     assert k1 != b.cache_key(v1, "sm_90")
+
+
+def test_loaded_kernels_are_kept_per_compiler_flags(monkeypatch):
+    """A process that changes CPA_NVCC_FLAGS gets the other build, not the one it loaded first."""
+    import cpa.jit as b
+    from cpa.variants import Variant
+
+    compiled = []
+    monkeypatch.setattr(b, "device_arch", lambda device=None: ("cuda", "sm_90"))
+    monkeypatch.setattr(b, "compile_variant", lambda v, arch, verbose=False:
+                        compiled.append(os.environ.get("CPA_NVCC_FLAGS", "")) or (Path("/x.so"), True, 0.0))
+    monkeypatch.setattr(b.ctypes, "CDLL", lambda path: None)
+    monkeypatch.setattr(b, "BuiltKernel", lambda *a: object())
+    monkeypatch.setattr(b, "_loaded", {})
+    v = Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
+    monkeypatch.delenv("CPA_NVCC_FLAGS", raising=False)
+    first = b.build(v)
+    assert b.build(v) is first and compiled == [""]
+    monkeypatch.setenv("CPA_NVCC_FLAGS", "-DCPA_MIN_BLOCKS=3")
+    other = b.build(v)
+    assert other is not first and compiled == ["", "-DCPA_MIN_BLOCKS=3"]
+    monkeypatch.delenv("CPA_NVCC_FLAGS")
+    assert b.build(v) is first
+
+
+def test_device_arch_is_asked_once_per_device(monkeypatch):
+    import types
+
+    import torch
+
+    import cpa.jit as b
+
+    asked = []
+    monkeypatch.setattr(b, "_arch_by_index", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: asked.append(dev) or types.SimpleNamespace(major=9, minor=0, gcnArchName=""))
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert b.device_arch(torch.device("cuda", 1)) == ("cuda", "sm_90")
+    assert b.device_arch(torch.device("cuda", 1)) == ("cuda", "sm_90")
+    assert len(asked) == 1
+    assert b.device_arch(torch.device("cuda", 0)) == ("cuda", "sm_90") and len(asked) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with __import__("pytest").raises(RuntimeError, match="no GPU"):
+        b.device_arch(torch.device("cuda", 2))  # (an unknown device is still asked)

@@ -106,3 +106,14 @@ def test_host_profile_on_the_gpu():
     assert df.function.str.contains(r"cpa/ops.py:\d+\(prepare\)").any()
     assert df.self_us.iloc[1:].sum() <= total.self_us * 1.0001
     assert (df.ncalls.iloc[1:] > 0).all()
+
+
+def test_launch_takes_the_raw_current_stream(monkeypatch):
+    """The raw-stream query, and the public Stream route where torch lacks it."""
+    from cpa import ops
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1000 + index, raising=False)
+    assert ops.current_raw_stream(3) == 1003
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: type("S", (), {"cuda_stream": 77 + index})())
+    assert ops.current_raw_stream(1) == 78

@@ -172,3 +172,16 @@ def test_prebuild_selection_keeps_exactly_the_named_variants():
         J.select_variants(vs, ["mfma17"], None)
     with pytest.raises(ValueError, match="unknown partition size"):
         J.select_variants(vs, None, [300])
+
+
+def test_variant_for_keeps_its_answers_but_never_an_error():
+    import torch
+
+    kw = dict(tiling="mfma16", partition_size=256, head_size=128, block_size=16, dtype=torch.float16,
+              kv_cache_dtype="auto", gqa_ratio=8, platform="cuda")
+    a = V.variant_for(**kw)
+    assert V.variant_for(**kw) is a and a.dtype == "fp16" and a.heads_cap == 8
+    assert V.variant_for(**dict(kw, dtype="fp16")) == a
+    for _ in range(2):  # refused every time, not only the first
+        with pytest.raises(ValueError, match="partition_size"):
+            V.variant_for(**dict(kw, partition_size=48))
