@@ -219,3 +219,27 @@ def test_default_path_rows_are_read_apart():
     assert len(m) == 1 and m.partition_size[0] == 1024 and bool(m.fused_reduce[0])
     assert m.best[0] == "mfma16/512" and abs(m.slowdown[0] - 0.9) < 1e-9 and abs(m.vs_sdpa[0] - 10.5 / 9.0) < 1e-9
     assert B.default_path(d.drop(columns="default_path")).empty
+
+
+def test_target2_official_count_at_b81e29d():
+    """data/bench/h200-target2.csv, target 2's domain at today's kernels: complete and verified,
+    with a default_path row per shape; the count the README quotes -- ahead of SDPA at 7 shapes,
+    within 0.35% at 3, behind at the 10 with >= 128k tokens in the batch -- and the default
+    launch within 1% of the per-shape best by geometric mean."""
+    d = pd.read_csv(CSV.parent / "h200-target2.csv")
+    assert (d.device_name == "NVIDIA H200").all() and d.git_commit.str.startswith("b81e29d").all()
+    k = d[d.tiling != "sdpa_cudnn"]
+    shapes = {(b, c) for b in (1, 2, 4, 8) for c in (8192, 16384, 32768, 65536, 131072)}
+    assert set(zip(k.num_seqs, k.max_seq_len)) == shapes and k.verified.all()
+    assert k.groupby(["num_seqs", "max_seq_len"]).default_path.sum().eq(1).all()
+    sdpa = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    ratio = sdpa / k.groupby(["num_seqs", "max_seq_len"]).time_us.min()
+    ahead = {s for s, r in ratio.items() if r > 1}
+    level = {s for s, r in ratio.items() if 0.9965 <= r <= 1}
+    behind = {s for s, r in ratio.items() if r < 0.9965}
+    assert ahead == {(1, 8192), (1, 16384), (1, 32768), (2, 8192), (2, 16384), (4, 8192), (8, 8192)}
+    assert level == {(1, 65536), (2, 32768), (4, 16384)}
+    assert behind == {s for s in shapes if s[0] * s[1] >= 131072}
+    assert 0.971 < ratio[list(behind)].min() and ratio[list(behind)].max() < 0.992
+    dp = B.default_path(d)
+    assert len(dp) == 20 and B.geomean(dp.slowdown) < 1.01 and dp.slowdown.max() < 1.02

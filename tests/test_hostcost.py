@@ -117,3 +117,27 @@ def test_launch_takes_the_raw_current_stream(monkeypatch):
     monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: type("S", (), {"cuda_stream": 77 + index})())
     assert ops.current_raw_stream(1) == 78
+
+
+def test_shipped_host_profiles_show_what_the_eager_path_gained():
+    """data/bench/experiments/h100-host-profile-*: the eager call before (7966c37) and after
+    (cd11e0d) the per-device caches and the raw stream, as the README quotes them -- and each
+    profile's own times add up to its total row."""
+    from pathlib import Path
+
+    exp = Path(__file__).resolve().parents[1] / "data" / "bench" / "experiments"
+    host = {}
+    for mode in ("unchecked", "prepared"):
+        for sha in ("7966c37", "cd11e0d"):
+            d = pd.read_csv(exp / f"h100-host-profile-{mode}-{sha}.csv")
+            assert d.git_commit.str.startswith(sha).all() and (d.device_name == "NVIDIA H100 80GB HBM3").all()
+            assert d.function.iloc[0] == "<total>" and d.self_us.iloc[1:].sum() <= d.self_us.iloc[0] * 1.0001
+            host[mode, sha] = d.host_us.iloc[0]
+    assert host["unchecked", "cd11e0d"] < 0.65 * host["unchecked", "7966c37"]  # 118 -> 72 us
+    assert host["prepared", "cd11e0d"] < 0.65 * host["prepared", "7966c37"]  # 17.8 -> 10.5 us
+    before = pd.read_csv(exp / "h100-host-profile-unchecked-7966c37.csv").set_index("function")
+    # what the caches took away: the arch and SM-count queries, the Stream objects
+    assert before.loc["cpa/jit.py:39(device_arch)", "cum_us"] > 20
+    assert before.loc["torch/cuda/__init__.py:1178(current_stream)", "ncalls"] == 2
+    after = pd.read_csv(exp / "h100-host-profile-unchecked-cd11e0d.csv")
+    assert not after.function.str.contains("current_stream|get_device_properties").any()
