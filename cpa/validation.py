@@ -336,8 +336,8 @@ def _check_values(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, capacity: int
 ) -> int:
     """Vectorized value checks; returns max(seq_lens). One host sync unless something is wrong.
-    Eight small kernels and one copy (each kernel costs the host several us: the eager path's
-    check is kept to as few as say everything)."""
+    Eight small kernels and one copy: each kernel costs the host several us per eager call, so
+    the check uses the fewest that still locate every error it reports."""
     sl = seq_lens
     # entry j of a row is in use when its first token j * block_size is within the sequence
     first_token = torch.arange(0, block_tables.shape[1] * block_size, block_size, device=block_tables.device)
