@@ -244,7 +244,7 @@ print(f"MI300X, modeled: fixed 256 is {gain:.3f}x the model's per-shape choice (
 # %%
 from cpa import export as E
 
-tuned = E.load(B.TARGET2_CSV.parents[2] / "export" / "mi300x-modeled-256-512.json")
+tuned = E.load(B.BENCH_DATA.parent / "export" / "mi300x-modeled-256-512.json")
 (cfg,) = tuned["configs"]
 print(tuned["provenance"]["evidence_detail"])
 print(f"best single size {cfg['fixed_partition_size']}: {cfg['fixed_geomean_slowdown']:.3f}x the modeled "
