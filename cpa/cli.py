@@ -214,7 +214,7 @@ def host_cost(
         raise typer.Exit(2) from None
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(df[["num_seqs", "max_seq_len", "mode", "tiling", "partition_size", "fused_reduce", "host_us",
-                  "wall_us", "device_us", "verified"]].round(2).to_string(index=False))
+                  "wall_us", "device_us", "vs_sdpa", "verified"]].round(2).to_string(index=False))
         print("\nper call, us (host: issue cost with the GPU busy; wall: back to back from an idle GPU):")
         print(H.summary(df).round(1).to_string(index=False))
     print(f"\nwrote {out}")

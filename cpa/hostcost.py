@@ -24,6 +24,8 @@ Numbers per mode (medians over ``repeats`` runs of ``calls`` calls):
              what an eager decode loop sees (about max(host, device), plus every sync).
   device_us  the same launch's device time under graph replay over rotating input sets
              (``cpa.timing.time_graph``, as ``cpa bench`` times it).
+  vs_sdpa    host_us (wall_us for ``checked``) over SDPA's eager host_us of the same shape and
+             run: host times move 1.5-2x between runs and machines, this ratio far less.
 
 Every call passes ``out=`` (vLLM's op writes into a given output). Each mode's output is checked
 against ``cpa.reference`` once, into a NaN-poisoned ``out``, before it is timed.
@@ -221,12 +223,25 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, modes=MODES, calls: int = 100, re
                            cluster_reduce=0)
             rows.append(dict(row, **prov))
             bar.update(1)
+        with_sdpa_ratio(rows[-len(modes):])
         if out_csv is not None:
             B.write_csv_atomic(pd.DataFrame(rows), out_csv)
         del table, launch, _keep, per_set, sets
         torch.cuda.empty_cache()
     bar.close()
     return pd.DataFrame(rows)
+
+
+def with_sdpa_ratio(shape_rows: list[dict]) -> None:
+    """Adds ``vs_sdpa`` to one shape's rows: the mode's host time (wall time for ``checked``,
+    whose host time includes its sync) over SDPA's eager host time in the same run. Host times
+    move 1.5-2x between runs and machines (CPU clocks, other tenants); this ratio moves far less,
+    so it is the number to compare across runs. NaN without an ``sdpa_cudnn`` row."""
+    sdpa = [r["host_us"] for r in shape_rows if r["mode"] == "sdpa_cudnn"]
+    ref = sdpa[0] if sdpa and sdpa[0] > 0 else math.nan
+    for r in shape_rows:
+        own = r["wall_us"] if r["mode"] == "checked" else r["host_us"]
+        r["vs_sdpa"] = own / ref
 
 
 def summary(df):

@@ -141,3 +141,37 @@ def test_shipped_host_profiles_show_what_the_eager_path_gained():
     assert before.loc["torch/cuda/__init__.py:1178(current_stream)", "ncalls"] == 2
     after = pd.read_csv(exp / "h100-host-profile-unchecked-cd11e0d.csv")
     assert not after.function.str.contains("current_stream|get_device_properties").any()
+
+
+def test_vs_sdpa_divides_by_the_same_runs_sdpa_call():
+    rows = [dict(mode="checked", host_us=math.nan, wall_us=400.0), dict(mode="unchecked", host_us=90.0, wall_us=95.0),
+            dict(mode="graph", host_us=4.5, wall_us=20.0), dict(mode="sdpa_cudnn", host_us=45.0, wall_us=50.0)]
+    H.with_sdpa_ratio(rows)
+    assert [r["vs_sdpa"] for r in rows] == [400 / 45, 2.0, 0.1, 1.0]
+    alone = [dict(mode="unchecked", host_us=90.0, wall_us=95.0)]
+    H.with_sdpa_ratio(alone)
+    assert math.isnan(alone[0]["vs_sdpa"])
+
+
+def test_shipped_host_cost_ab_on_one_h200_host():
+    """data/bench/experiments/h200-host-cost-ab-*: 7966c37 and b81e29d interleaved on one host;
+    against SDPA's eager call of the same run, the medians over rounds and shapes the README
+    quotes (single rounds are noisier: in round 1 one shape's unchecked call came out level)."""
+    from pathlib import Path
+
+    exp = Path(__file__).resolve().parents[1] / "data" / "bench" / "experiments"
+    rel = {}
+    for sha in ("7966c37", "b81e29d"):
+        frames = []
+        for rnd in (1, 2, 3):
+            d = pd.read_csv(exp / f"h200-host-cost-ab-{sha}-{rnd}.csv")
+            assert d.git_commit.str.startswith(sha).all() and (d.device_name == "NVIDIA H200").all() and d.verified.all()
+            for _, g in d.groupby(["num_seqs", "max_seq_len"]):
+                shape_rows = g.to_dict("records")
+                H.with_sdpa_ratio(shape_rows)
+                frames += shape_rows
+        rel[sha] = pd.DataFrame(frames).groupby("mode").vs_sdpa.median()
+    old, new = rel["7966c37"], rel["b81e29d"]
+    assert round(old["unchecked"], 2) == 2.79 and round(new["unchecked"], 2) == 1.75
+    assert round(old["checked"], 1) == 8.3 and round(new["checked"], 1) == 5.9
+    assert round(old["prepared"], 2) == 0.43 and round(new["prepared"], 2) == 0.25
