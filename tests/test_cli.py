@@ -75,3 +75,10 @@ def test_bench_prints_the_shape_chosen_default(monkeypatch, tmp_path):
     assert len(gap) == 16
     row = gap.loc[(8, 32768)]
     assert f"{row.combine_us:.3f}".rstrip("0").rstrip(".") in res.output
+
+
+def test_host_profile_refuses_a_mode_it_cannot_profile(tmp_path):
+    out = tmp_path / "p.csv"
+    res = CliRunner().invoke(app, ["host-profile", "--mode", "graph", "--out", str(out)])
+    text = res.output + str(res.stderr if res.stderr_bytes else "")
+    assert res.exit_code == 2 and "graph" in text and not out.exists(), res.output
