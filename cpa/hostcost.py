@@ -153,6 +153,34 @@ def _calls(sets, seq_len, out):
     return modes, launch, (g, _g_launch)
 
 
+def _shape(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size):
+    """One shape's inputs and launch paths: (sets, ref, out, table, launch, keep) -- the fp16
+    reference output, the ``out`` every timed call writes, and _calls' (modes, launch, keep)."""
+    import torch
+
+    from . import bench as B
+    from . import reference
+
+    sets = B.make_sets(num_seqs, seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                       block_size=block_size, dtype=torch.float16)
+    ref = reference.paged_attention(sets.queries[0], sets.key_cache, sets.value_cache, sets.block_tables[0],
+                                    sets.seq_lens, sets.scale).to(torch.float16)
+    out = torch.empty_like(sets.queries[0])
+    table, launch, keep = _calls(sets, seq_len, out)
+    return sets, ref, out, table, launch, keep
+
+
+def _error(check, out, ref) -> float:
+    """The relative error of one mode's output, run once into a NaN-poisoned copy of ``out``."""
+    import torch
+
+    from . import reference
+
+    got = check(torch.full_like(out, float("nan")))
+    torch.cuda.synchronize()
+    return float(reference.relative_error(got, ref, per_seq=True))
+
+
 def run(*, batches=BATCHES, contexts=CONTEXTS, modes=MODES, calls: int = 100, repeats: int = 7,
         replays: int = 30, num_heads: int = 64, num_kv_heads: int = 8, head_size: int = 128, block_size: int = 16,
         out_csv=None, progress: bool = True):
@@ -181,13 +209,10 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, modes=MODES, calls: int = 100, re
     shapes = [(b, c) for b in batches for c in contexts]
     bar = tqdm(total=len(shapes) * len(modes), desc="host-cost", disable=not progress)
     for num_seqs, seq_len in shapes:
-        sets = B.make_sets(num_seqs, seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                           block_size=block_size, dtype=torch.float16)
-        ref = reference.paged_attention(sets.queries[0], sets.key_cache, sets.value_cache, sets.block_tables[0],
-                                        sets.seq_lens, sets.scale).to(torch.float16)
+        sets, ref, out, table, launch, _keep = _shape(num_seqs, seq_len, num_heads=num_heads,
+                                                      num_kv_heads=num_kv_heads, head_size=head_size,
+                                                      block_size=block_size)
         tol = reference.REL_ERR_TOL[torch.float16]
-        out = torch.empty_like(sets.queries[0])
-        table, launch, _keep = _calls(sets, seq_len, out)
         # the launch's device time, rotating sets as cpa bench does (the default variant of the shape)
         per_set = [ops.prepare(sets.queries[i], sets.key_cache, sets.value_cache, sets.block_tables[i],
                                sets.seq_lens, sets.scale) for i in range(len(sets.queries))]
@@ -200,10 +225,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, modes=MODES, calls: int = 100, re
                     cluster_reduce=int(launch.cluster or 0), calls=calls, repeats=repeats)
         for mode in modes:
             call, check = table[mode]
-            poisoned = torch.full_like(out, float("nan"))
-            got = check(poisoned)
-            torch.cuda.synchronize()
-            err = reference.relative_error(got, ref, per_seq=True)
+            err = _error(check, out, ref)
             for _ in range(3):  # warm: builds, allocator, cuDNN plans
                 call()
             torch.cuda.synchronize()
@@ -296,7 +318,6 @@ def profile(*, num_seqs: int = 8, seq_len: int = 32768, mode: str = "unchecked",
     import pandas as pd
     import torch
 
-    from . import bench as B
     from . import reference
     from .provenance import provenance
 
@@ -307,16 +328,10 @@ def profile(*, num_seqs: int = 8, seq_len: int = 32768, mode: str = "unchecked",
         raise ValueError("calls and top must be at least 1")
     if not torch.cuda.is_available():
         raise RuntimeError("cpa host-profile needs a GPU")
-    sets = B.make_sets(num_seqs, seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                       block_size=block_size, dtype=torch.float16)
-    ref = reference.paged_attention(sets.queries[0], sets.key_cache, sets.value_cache, sets.block_tables[0],
-                                    sets.seq_lens, sets.scale).to(torch.float16)
-    out = torch.empty_like(sets.queries[0])
-    table, launch, _keep = _calls(sets, seq_len, out)
+    _sets, ref, out, table, launch, _keep = _shape(num_seqs, seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                                   head_size=head_size, block_size=block_size)
     call, check = table[mode]
-    got = check(torch.full_like(out, float("nan")))
-    torch.cuda.synchronize()
-    err = reference.relative_error(got, ref, per_seq=True)
+    err = _error(check, out, ref)
     if not err <= reference.REL_ERR_TOL[torch.float16]:
         raise RuntimeError(f"{mode}: output differs from the reference (relative error {err:.3g})")
     for _ in range(5):
