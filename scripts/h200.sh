@@ -60,6 +60,7 @@ for_each_arm() {
 # H200-only (tests/test_bench_data.py). CPA_ALLOW_OTHER_GPU=1 runs them anyway (the H100 files
 # of data/ are such runs, renamed h100-*). Other steps run on any card.
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+GPU_TAG=$(echo "$GPU_NAME" | grep -o 'H[0-9]\{3\}' | head -1 | tr A-Z a-z); GPU_TAG=${GPU_TAG:-gpu}  # h100, h200: file names
 h200_only() {
   case "$GPU_NAME" in *H200*) return 0;; esac
   [ -n "${CPA_ALLOW_OTHER_GPU:-}" ] && { echo "h200.sh: step $1 on '$GPU_NAME' (CPA_ALLOW_OTHER_GPU)"; return 0; }
@@ -337,17 +338,15 @@ PYEOF
     hostcost)
       # the host's cost per decode call by launch path (cpa.hostcost), on any card: the file is
       # named after it (CPA_HC_ARGS: more `cpa host-cost` options)
-      tag=$(echo "$GPU_NAME" | grep -o 'H[0-9]\{3\}' | head -1 | tr A-Z a-z); tag=${tag:-gpu}
-      CPA_COMMAND="python3 -m cpa host-cost --out data/bench/$tag-host-cost.csv ${CPA_HC_ARGS:-}" \
-        timeout ${CPA_HC_TIMEOUT:-300} $PY -m cpa host-cost --no-progress --out "$OUT/$tag-host-cost.csv" ${CPA_HC_ARGS:-} 2>&1 | tail -40
+      CPA_COMMAND="python3 -m cpa host-cost --out data/bench/$GPU_TAG-host-cost.csv ${CPA_HC_ARGS:-}" \
+        timeout ${CPA_HC_TIMEOUT:-300} $PY -m cpa host-cost --no-progress --out "$OUT/$GPU_TAG-host-cost.csv" ${CPA_HC_ARGS:-} 2>&1 | tail -40
       ;;
     hostprofile)
       # where the eager call's host time goes (cProfile per call; cpa host-profile), each mode
       # that runs Python per call, at batch 8 x 32k; on any card, the file named after it
-      tag=$(echo "$GPU_NAME" | grep -o 'H[0-9]\{3\}' | head -1 | tr A-Z a-z); tag=${tag:-gpu}
       for m in ${CPA_HP_MODES:-unchecked prepared checked}; do
-        CPA_COMMAND="python3 -m cpa host-profile --mode $m --out data/bench/$tag-host-profile-$m.csv ${CPA_HP_ARGS:-}" \
-          timeout ${CPA_HP_TIMEOUT:-120} $PY -m cpa host-profile --mode $m --out "$OUT/$tag-host-profile-$m.csv" \
+        CPA_COMMAND="python3 -m cpa host-profile --mode $m --out data/bench/$GPU_TAG-host-profile-$m.csv ${CPA_HP_ARGS:-}" \
+          timeout ${CPA_HP_TIMEOUT:-120} $PY -m cpa host-profile --mode $m --out "$OUT/$GPU_TAG-host-profile-$m.csv" \
           ${CPA_HP_ARGS:-} 2>&1 | tail -45
       done
       ;;
