@@ -2,7 +2,7 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async, hostcost, hostprofile,
-# ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern.
+# ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern, readpattern-shapes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -359,6 +359,22 @@ PYEOF
       CPA_COMMAND="python3 -m cpa read-patterns --kv-cache-dtype fp8 --no-kernel ${CPA_RP_ARGS:-}" \
         timeout ${CPA_RP_FP8_TIMEOUT:-200} $PY -m cpa read-patterns --kv-cache-dtype fp8 --no-kernel \
         --out "$OUT/h200-read-patterns-fp8.csv" ${CPA_RP_ARGS:-} 2>&1 | tail -30
+      ;;
+    readpattern-shapes)
+      # the same readers (contiguous and paged only) at other decode shapes, each beside the
+      # kernel and SDPA: CPA_RP_SHAPES="8x131072:4096,8192 1x131072:1024,4096" (batch x context:
+      # partition sizes), each in CPA_RP_ORDERS (shuffled, sequential) -> $OUT/<gpu>-read-patterns-
+      # <batch>x<context>-<order>-<commit>.csv; CPA_RP_TIMEOUT per run
+      for spec in ${CPA_RP_SHAPES:-8x131072:4096,8192}; do
+        shp=${spec%%:*}; parts=${spec#*:}
+        for order in ${CPA_RP_ORDERS:-shuffled}; do
+          A="--num-seqs ${shp%x*} --seq-len ${shp#*x} --partition-sizes $parts --patterns contiguous,paged --block-order $order"
+          echo "--- read-patterns $A ($(date -u +%H:%M:%S))"
+          CPA_COMMAND="python3 -m cpa read-patterns $A" timeout ${CPA_RP_TIMEOUT:-200} $PY -m cpa read-patterns $A \
+            --out "$OUT/$GPU_TAG-read-patterns-$shp-$order-${CPA_GIT_COMMIT:0:7}.csv" 2>&1 \
+            | grep -v "reader/s\|it/s" | tail -${CPA_RP_LINES:-14}
+        done
+      done
       ;;
     *) echo "unknown step $step"; exit 2;;
   esac
