@@ -521,6 +521,10 @@ def read_patterns(
         typer.echo(RP.best_per_pattern(df).round(3).to_string(index=False))
         typer.echo("\nGB/s by KB in flight per program and iteration (best over warps):")
         typer.echo(RP.rate_by_bytes_in_flight(df).to_string())
+        vs = RP.against_sdpa(df.assign(run="this run"))
+        if len(vs) and vs.sdpa_us.notna().any():
+            typer.echo("\nbest of each against SDPA (above 1: faster than SDPA):")
+            typer.echo(vs.drop(columns="run").round(3).to_string(index=False))
     bad = df[(df.kind == "reader") & (df.get("verified", True) == False)]  # noqa: E712
     typer.echo(f"\nread ceiling this run {ceil['read_gbps']:.0f} GB/s; {len(bad)} reader rows failed the checksum")
     typer.echo(f"wrote {out}")

@@ -351,6 +351,31 @@ def banner(df) -> str:
             f"({', '.join(f'`{r}`' for r in runs)}), {len(df)} rows, commit {commits}, {dates}.")
 
 
+def against_sdpa(df):
+    """Per run (one shape and block order each): the fastest verified ``contiguous`` and ``paged``
+    reader over its partition sizes and reader shapes, the fastest kernel row (any tiling and
+    partition size) and SDPA, with SDPA's time over each (above 1: faster than SDPA). A paged
+    reader does nothing but read the bytes the kernel must read, in the kernel's decomposition:
+    where even it is not faster than SDPA, the kernel cannot be on this layout without reading
+    faster than the best reader tried."""
+    import pandas as pd
+
+    d = df[df.time_us.notna()]
+    keys = [k for k in ("run", "num_seqs", "max_seq_len", "block_order") if k in d]
+    ok = d[(d.kind == "reader") & (d.get("verified", False) == True)]  # noqa: E712
+    if ok.empty or "run" not in d:
+        return pd.DataFrame()
+    out = ok.groupby(keys + ["pattern"]).time_us.min().unstack("pattern")
+    out = out.reindex(columns=["contiguous", "paged"]).rename(columns=lambda c: f"{c}_reader_us")
+    k = d[(d.kind == "kernel") & (d.get("verified", True) != False)]  # noqa: E712
+    by_run = out.index.get_level_values("run")
+    out["kernel_us"] = [k[(k.run == r) & (k.pattern != "sdpa_cudnn")].time_us.min() for r in by_run]
+    out["sdpa_us"] = [k[(k.run == r) & (k.pattern == "sdpa_cudnn")].time_us.min() for r in by_run]
+    for c in ("contiguous_reader", "paged_reader", "kernel"):
+        out[f"sdpa_over_{c}"] = out.sdpa_us / out[f"{c}_us"]
+    return out.reset_index()
+
+
 def layout_cost(df):
     """Per (run, KV cache dtype, partition size): the best ``paged`` and ``contiguous`` reader
     times and the paged / contiguous ratio (what the paged layout alone costs a reader of the

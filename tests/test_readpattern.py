@@ -210,3 +210,19 @@ def test_read_patterns_figure():
     assert "measured on NVIDIA H200" in fig.layout.title.text and "8 x 32k" in fig.layout.title.text
     paged = next(t for t in fig.data if t.name == "paged, P 8192")
     assert list(paged.x) == [64, 128]
+
+
+def test_against_sdpa_takes_the_best_of_each_per_run():
+    import pandas as pd
+
+    slow = _synthetic_run("r2").assign(time_us=lambda d: d.time_us * 2, max_seq_len=131072)
+    df = pd.concat([_synthetic_run("r1"), slow])
+    t = RP.against_sdpa(df).set_index("run")
+    # r1: best paged reader 235 (P 8192, the unverified 50 us row is no rate), contiguous 233, the
+    # faster tiling 244, SDPA 239
+    assert t.loc["r1", "paged_reader_us"] == 235.0 and t.loc["r1", "contiguous_reader_us"] == 233.0
+    assert t.loc["r1", "kernel_us"] == 244.0 and t.loc["r1", "sdpa_us"] == 239.0
+    assert t.loc["r1", "sdpa_over_paged_reader"] == 239.0 / 235.0
+    assert t.loc["r1", "sdpa_over_kernel"] == 239.0 / 244.0
+    assert t.loc["r2", "max_seq_len"] == 131072 and t.loc["r2", "sdpa_us"] == 478.0  # each run's own rows
+    assert list(t.index) == ["r1", "r2"]
