@@ -411,6 +411,45 @@ def sdpa_gap(df):
     return pd.DataFrame(rows)
 
 
+def streaming_fit(df, min_tokens: int = 0):
+    """time = fixed_us + kv_bytes / marginal rate, fitted by least squares over the shapes of a
+    bench CSV with at least ``min_tokens`` tokens in the batch (num_seqs x max_seq_len), once for
+    the fastest verified CPA row per shape and once for SDPA. A decode step at these shapes is a
+    streaming read, so the two numbers split a time into what does not grow with the context
+    (launches, the first loads' latency, the combine, the tail) and the rate at which the bytes
+    then stream. One row per arm: ``fixed_us``, ``marginal_gbps``, ``frac_read_ceiling`` (of the
+    run's read ceiling), the largest relative residual and the number of shapes; plus
+    ``crossover_tokens`` on the CPA row: the batch's tokens above which SDPA's line is below
+    the kernel's (NaN where the lines do not cross the right way round)."""
+    import numpy as np
+    import pandas as pd
+
+    d, _ = _kernel_rows(df)
+    arms = {"cpa_best": d, "sdpa_cudnn": df[(df.tiling == "sdpa_cudnn") & df.time_us.notna()]}
+    rows = []
+    for arm, g in arms.items():
+        g = g[g.num_seqs * g.max_seq_len >= min_tokens]
+        best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
+        if len(best) < 2:
+            continue
+        a = np.vstack([np.ones(len(best)), best.b.to_numpy(float)]).T
+        (fixed, per_byte), *_ = np.linalg.lstsq(a, best.t.to_numpy(float), rcond=None)
+        resid = a @ [fixed, per_byte] / best.t - 1
+        rate = 1e-3 / per_byte  # bytes per us -> GB/s
+        ceil = float(g.read_gbps_ceiling.median()) if "read_gbps_ceiling" in g else float("nan")
+        per_token = float((best.b / (best.num_seqs * best.max_seq_len)).median())
+        rows.append(dict(arm=arm, fixed_us=float(fixed), marginal_gbps=rate, frac_read_ceiling=rate / ceil,
+                         max_rel_residual=float(np.abs(resid).max()), shapes=len(best), per_token_bytes=per_token))
+    out = pd.DataFrame(rows)
+    if set(out.get("arm", [])) >= {"cpa_best", "sdpa_cudnn"}:
+        c, s = (out.set_index("arm").loc[a] for a in ("cpa_best", "sdpa_cudnn"))
+        # fixed_c + x / rate_c = fixed_s + x / rate_s  (x in bytes, rates in bytes per us)
+        slower = 1 / (c.marginal_gbps * 1e3) - 1 / (s.marginal_gbps * 1e3)
+        x = (s.fixed_us - c.fixed_us) / slower if slower > 0 and s.fixed_us > c.fixed_us else float("nan")
+        out["crossover_tokens"] = [x / c.per_token_bytes if a == "cpa_best" else float("nan") for a in out.arm]
+    return out
+
+
 def combine_costs(df):
     """What each way of combining partitions adds to the attention kernel's own time, per
     (tiling, shape, partition size) of a bench CSV that has both the reduce-launch row (fixed

@@ -119,6 +119,42 @@ def test_sdpa_gap_on_the_h200_target2_domain():
     assert len(rest) == 10 and rest.attn_vs_sdpa.between(0.969, 0.997).all(), rest
 
 
+def test_streaming_fit_recovers_an_exact_line():
+    """cpa.bench.streaming_fit on times made from known lines: the fixed cost, the marginal
+    rate, the crossover (where SDPA's line, with the higher fixed cost and the faster rate,
+    drops below the kernel's) and the token threshold."""
+    rows = []
+    for b in (1, 2, 4, 8):
+        for ctx in (8192, 32768, 131072):
+            kv = 4096 * b * ctx  # K + V bytes per token at 8 KV heads, head 128, fp16
+            rows.append(dict(tiling="mfma16", partition_size=1024, num_seqs=b, max_seq_len=ctx, kv_bytes=kv,
+                             time_us=8.0 + kv / 4400e3, verified=True, read_gbps_ceiling=4500.0))
+            rows.append(dict(rows[-1], partition_size=2048, time_us=rows[-1]["time_us"] + 5))  # slower: not the best
+            rows.append(dict(tiling="sdpa_cudnn", partition_size=0, num_seqs=b, max_seq_len=ctx, kv_bytes=kv,
+                             time_us=9.0 + kv / 4550e3, verified=True, read_gbps_ceiling=4500.0))
+    fit = B.streaming_fit(pd.DataFrame(rows)).set_index("arm")
+    assert fit.loc["cpa_best", "fixed_us"] == pytest.approx(8.0) and fit.loc["sdpa_cudnn", "fixed_us"] == pytest.approx(9.0)
+    assert fit.loc["cpa_best", "marginal_gbps"] == pytest.approx(4400.0)
+    assert fit.loc["sdpa_cudnn", "frac_read_ceiling"] == pytest.approx(4550 / 4500)
+    assert fit.loc["cpa_best", "max_rel_residual"] < 1e-9 and (fit.shapes == 12).all()
+    x = 1.0 / (1 / 4400e3 - 1 / 4550e3)  # bytes where 8 + x / r_c = 9 + x / r_s
+    assert fit.loc["cpa_best", "crossover_tokens"] == pytest.approx(x / 4096)
+    assert (B.streaming_fit(pd.DataFrame(rows), min_tokens=131072).shapes == 6).all()  # 1x128k .. 8x128k, 2x..8x32k
+
+
+def test_streaming_fit_of_the_official_count():
+    """The line through target 2's count (b81e29d) at >= 128k tokens, what the README and
+    notes quote: the kernel's fixed cost is lower than SDPA's (8.5 against 9.4 us) but its
+    bytes stream at 98% of the read ceiling against SDPA's 101%, so the lines cross at about
+    35k tokens in the batch -- the count's ahead / behind split."""
+    fit = B.streaming_fit(pd.read_csv(B.TARGET2_CSV), min_tokens=131072).set_index("arm")
+    c, s = fit.loc["cpa_best"], fit.loc["sdpa_cudnn"]
+    assert c.shapes == s.shapes == 10 and c.max_rel_residual < 0.01 and s.max_rel_residual < 0.01
+    assert 8.0 < c.fixed_us < 9.0 < s.fixed_us < 9.8
+    assert 0.978 < c.frac_read_ceiling < 0.986 and 1.004 < s.frac_read_ceiling < 1.012
+    assert 30000 < c.crossover_tokens < 40000
+
+
 def test_sdpa_gap_bars_and_target2_path():
     """The notebook's target-2 figure: two bars per shape of cpa.bench.TARGET2_CSV (20 shapes,
     H200), the measured ratio and the attention-alone ratio, a reference line at 1."""
