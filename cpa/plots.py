@@ -191,6 +191,43 @@ def sdpa_gap_bars(gap, *, source: str):
     return fig
 
 
+def streaming_lines(df, fit, *, source: str):
+    """K/V GB/s (bytes read once / time) of the fastest CPA launch and of SDPA per shape of a
+    bench CSV, against the K/V bytes of the shape, with the curves of
+    :func:`cpa.bench.streaming_fit` (bytes / (fixed + bytes / marginal rate)) and the run's read
+    ceiling: the fixed cost sets the small shapes, the marginal rate the large ones."""
+    import numpy as np
+    import plotly.graph_objects as go
+
+    from . import bench as B
+
+    d, _ = B._kernel_rows(df)
+    arms = {"cpa_best": ("CPA, fastest launch per shape", "#d62728", d),
+            "sdpa_cudnn": ("cuDNN SDPA", "#1f77b4", df[(df.tiling == "sdpa_cudnn") & df.time_us.notna()])}
+    f = fit.set_index("arm")
+    fig = go.Figure()
+    lo, hi = float(df.kv_bytes.min()), float(df.kv_bytes.max())
+    xs = np.geomspace(lo, hi, 60)
+    for arm, (name, color, g) in arms.items():
+        best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
+        fig.add_trace(go.Scatter(
+            x=best.b / 1e9, y=best.b / best.t / 1e3, mode="markers", name=name, marker=dict(color=color, size=8),
+            text=[f"{int(n)} x {int(c) // 1024}k: {t:.1f} us" for n, c, t in zip(best.num_seqs, best.max_seq_len, best.t)]))
+        if arm in f.index:
+            r = f.loc[arm]
+            fig.add_trace(go.Scatter(
+                x=xs / 1e9, y=xs / (r.fixed_us + xs / (r.marginal_gbps * 1e3)) / 1e3, mode="lines",
+                line=dict(color=color, dash="dot"),
+                name=f"fit: {r.fixed_us:.1f} us + bytes at {r.marginal_gbps:.0f} GB/s ({r.frac_read_ceiling:.1%})"))
+    if "read_gbps_ceiling" in df and df.read_gbps_ceiling.notna().any():
+        fig.add_hline(y=float(df.read_gbps_ceiling.median()), line=dict(color="gray", width=1),
+                      annotation_text="read ceiling", annotation_position="bottom right")
+    fig.update_layout(height=460, xaxis=dict(title="K/V bytes of the shape (GB)", type="log"),
+                      yaxis_title="K/V GB/s (bytes read once / time)",
+                      title=f"A fixed cost and a streaming rate per arm ({source})")
+    return fig
+
+
 def combine_costs_by_partitions(costs: dict, *, source: str, auto_partitions: tuple[int, int] | None = None):
     """What each combine adds to the attention kernel's own time (:func:`cpa.bench.combine_costs`
     tables, one per label, e.g. two builds of an A/B), median over shapes against the number of

@@ -134,6 +134,22 @@ display(B.summary_table(t2)[["batch", "context", "best", "best_us", "best_bw", "
                              "speedup_vs_sdpa", "all_verified"]])
 
 # %% [markdown]
+# Why the count splits where it does. At these shapes a decode step is a streaming read, so
+# each arm's times lie close to a line, `time = fixed + K/V bytes / rate`
+# (`cpa.bench.streaming_fit`, least squares over the shapes with at least 128k tokens in the
+# batch). The fixed part -- launches, the first loads' latency, the combine, the tail -- is
+# where partitioning pays, and the kernel's is about a microsecond lower than SDPA's. The rate
+# is where it does not: cuDNN streams its contiguous K/V about 2.5% faster, so the two lines
+# cross at a few tens of thousands of tokens in the batch. Past that, no partition size or
+# combine helps; only a faster main loop (or a faster layout) would.
+
+# %%
+fit = B.streaming_fit(t2, min_tokens=131072)
+P.show(P.streaming_lines(t2, fit, source=t2_src))
+with pd.option_context("display.precision", 4):
+    display(fit)
+
+# %% [markdown]
 # ## Combining the partitions
 # Every partitioned launch pays for its combine once the attention kernel is done: the reduce
 # launch (a second kernel, started early by programmatic dependent launch) or the fused reduce

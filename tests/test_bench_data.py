@@ -155,6 +155,23 @@ def test_streaming_fit_of_the_official_count():
     assert 30000 < c.crossover_tokens < 40000
 
 
+def test_streaming_lines_figure():
+    """The notebook's line-through-the-count figure: the 20 shapes of each arm as points, each
+    arm's fitted curve, labelled with its fixed cost and rate."""
+    pytest.importorskip("plotly")
+    from cpa import plots
+
+    df = pd.read_csv(B.TARGET2_CSV)
+    fit = B.streaming_fit(df, min_tokens=131072)
+    fig = plots.streaming_lines(df, fit, source="t")
+    points = [t for t in fig.data if t.mode == "markers"]
+    curves = [t for t in fig.data if t.mode == "lines"]
+    assert [len(t.x) for t in points] == [20, 20] and len(curves) == 2
+    assert all("GB/s" in t.name and " us + bytes at " in t.name for t in curves)
+    sdpa = df[df.tiling == "sdpa_cudnn"]
+    assert sorted(points[1].y) == pytest.approx(sorted(sdpa.kv_bytes / sdpa.time_us / 1e3))
+
+
 def test_sdpa_gap_bars_and_target2_path():
     """The notebook's target-2 figure: two bars per shape of cpa.bench.TARGET2_CSV (20 shapes,
     H200), the measured ratio and the attention-alone ratio, a reference line at 1."""
