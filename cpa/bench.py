@@ -177,6 +177,8 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     print(f"# {prov['device_name']} ({arch}), driver {prov['driver_version']}, torch {prov['torch_version']}, "
           f"commit {prov['git_commit']}")
     print(f"# ceilings this run: read {read_gbps:.0f} GB/s ({ceil['read_method']}), copy {ceil['copy_gbps']:.0f} GB/s")
+    if ceil.get("read_gbps_by_shape"):
+        print("# read shapes (GB/s): " + ", ".join(f"{k} {v:.0f}" for k, v in ceil["read_gbps_by_shape"].items()))
     rows = []
     # (fused_reduce, cluster_reduce, shared_steps): the reduce launch over fixed partitions, each
     # in-kernel combine asked for, and the reduce launch over shared steps

@@ -28,7 +28,7 @@ READ_CONFIGS = ((4096, 16, 4), (8192, 16, 4), (8192, 16, 8), (16384, 8, 8))  # s
 
 
 def measure(nbytes: int = 4 << 30, replays: int = 20, configs=READ_CONFIGS) -> dict:
-    """{'read_gbps', 'copy_gbps', 'read_method', 'bytes'} over an `nbytes` fp16 buffer (random
+    """{'read_gbps', 'copy_gbps', 'read_method', 'read_gbps_by_shape', 'bytes'} over an `nbytes` fp16 buffer (random
     data): copy is torch's device copy (2 x nbytes moved), read the fastest of the streaming
     read shapes in `configs` (the fastest shape is named in `read_method`)."""
     import torch
@@ -40,7 +40,7 @@ def measure(nbytes: int = 4 << 30, replays: int = 20, configs=READ_CONFIGS) -> d
     y = torch.empty_like(x)
     copy = time_graph([lambda: y.copy_(x)], replays=replays, use_graph=False)
     res = {"copy_gbps": 2 * nbytes / (copy.median_us * 1e-6) / 1e9, "bytes": nbytes}
-    best, errors = None, []
+    best, errors, by_shape = None, [], {}
     try:
         kern = _triton_read_kernel()
     except Exception as e:  # no triton
@@ -55,13 +55,14 @@ def measure(nbytes: int = 4 << 30, replays: int = 20, configs=READ_CONFIGS) -> d
             errors.append(f"{block}x{iters}/{warps}w: {type(e).__name__}")
             continue
         gbps = nbytes / (t.median_us * 1e-6) / 1e9
+        by_shape[f"{block}x{iters}/{warps}w"] = gbps
         if best is None or gbps > best[0]:
             best = (gbps, f"triton streaming read (fp16), fastest of {len(configs)} shapes: "
                           f"{block} x {iters} elements per program, {warps} warps")
     if best is None:  # a torch reduction reads every byte once too
         read = time_graph([lambda: x.sum(dtype=torch.float32)], replays=replays, use_graph=False)
         best = (nbytes / (read.median_us * 1e-6) / 1e9, f"torch.sum ({'; '.join(errors)})")
-    res.update(read_gbps=best[0], read_method=best[1])
+    res.update(read_gbps=best[0], read_method=best[1], read_gbps_by_shape=by_shape)
     del x, y
     torch.cuda.empty_cache()
     return res
