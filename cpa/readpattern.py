@@ -326,13 +326,14 @@ def rate_by_bytes_in_flight(df):
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "data" / "bench" / "experiments"
 
 
-def load_shipped(paths=None):
-    """Every shipped read-pattern run (``data/bench/experiments/*read-patterns*.csv``, or
-    ``paths``) in one table, with ``run`` = the file's stem: rows of different runs (different
-    calls, maybe different H200s of the pool) are compared only within their run."""
+def load_shipped(paths=None, gpu: str = "h200"):
+    """Every shipped read-pattern run of one card (``data/bench/experiments/<gpu>-read-patterns*.csv``,
+    ``gpu`` = "h200" or "h100"; or ``paths``) in one table, with ``run`` = the file's stem: rows
+    of different runs (different calls, maybe different cards of the pool) are compared only
+    within their run."""
     import pandas as pd
 
-    paths = sorted(EXPERIMENTS.glob("*read-patterns*.csv")) if paths is None else [Path(p) for p in paths]
+    paths = sorted(EXPERIMENTS.glob(f"{gpu}-read-patterns*.csv")) if paths is None else [Path(p) for p in paths]
     if not paths:
         raise FileNotFoundError(f"no read-pattern runs under {EXPERIMENTS}")
     return pd.concat([pd.read_csv(p).assign(run=Path(p).stem) for p in paths], ignore_index=True)
