@@ -28,9 +28,10 @@ READ_CONFIGS = ((4096, 16, 4), (8192, 16, 4), (8192, 16, 8), (16384, 8, 8))  # s
 
 
 def measure(nbytes: int = 4 << 30, replays: int = 20, configs=READ_CONFIGS) -> dict:
-    """{'read_gbps', 'copy_gbps', 'read_method', 'read_gbps_by_shape', 'bytes'} over an `nbytes` fp16 buffer (random
-    data): copy is torch's device copy (2 x nbytes moved), read the fastest of the streaming
-    read shapes in `configs` (the fastest shape is named in `read_method`)."""
+    """{'read_gbps', 'copy_gbps', 'read_method', 'read_gbps_by_shape', 'bytes'} over an `nbytes`
+    fp16 buffer (random data): copy is torch's device copy (2 x nbytes moved), read the fastest
+    of the streaming read shapes in `configs` (named in `read_method`; each shape's GB/s in
+    `read_gbps_by_shape`)."""
     import torch
 
     from .timing import time_graph

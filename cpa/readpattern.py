@@ -357,8 +357,8 @@ def against_sdpa(df):
     reader over its partition sizes and reader shapes, the fastest kernel row (any tiling and
     partition size) and SDPA, with SDPA's time over each (above 1: faster than SDPA). A paged
     reader does nothing but read the bytes the kernel must read, in the kernel's decomposition:
-    where even it is not faster than SDPA, the kernel cannot be on this layout without reading
-    faster than the best reader tried."""
+    where even it is not faster than SDPA, a kernel on this layout can beat SDPA only by reading
+    the cache faster than the best reader tried."""
     import pandas as pd
 
     d = df[df.time_us.notna()]
