@@ -212,7 +212,8 @@ def streaming_lines(df, fit, *, source: str):
         best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
         fig.add_trace(go.Scatter(
             x=best.b / 1e9, y=best.b / best.t / 1e3, mode="markers", name=name, marker=dict(color=color, size=8),
-            text=[f"{int(n)} x {int(c) // 1024}k: {t:.1f} us" for n, c, t in zip(best.num_seqs, best.max_seq_len, best.t)]))
+            text=[f"{int(n)} x {int(c) // 1024}k: {t:.1f} us"
+                  for n, c, t in zip(best.num_seqs, best.max_seq_len, best.t)]))
         if arm in f.index:
             r = f.loc[arm]
             fig.add_trace(go.Scatter(
