@@ -75,6 +75,10 @@ def test_bench_prints_the_shape_chosen_default(monkeypatch, tmp_path):
     assert len(gap) == 16
     row = gap.loc[(8, 32768)]
     assert f"{row.combine_us:.3f}".rstrip("0").rstrip(".") in res.output
+    # the two lines through the run's shapes
+    assert "time = fixed + K/V bytes / rate" in res.output
+    fit = B.streaming_fit(shipped).set_index("arm")
+    assert f"{fit.loc['sdpa_cudnn', 'fixed_us']:.4f}".rstrip("0").rstrip(".") in res.output
 
 
 def test_host_profile_refuses_a_mode_it_cannot_profile(tmp_path):
