@@ -413,9 +413,15 @@ def sdpa_gap(df):
     return pd.DataFrame(rows)
 
 
-def streaming_fit(df, min_tokens: int = 0):
+# Shapes with at least this many tokens in the batch stream (their times lie within about 1%
+# of a line in every shipped H200 / H100 run); smaller ones are latency-bound and bend it.
+STREAMING_MIN_TOKENS = 131072
+
+
+def streaming_fit(df, min_tokens: int = STREAMING_MIN_TOKENS):
     """time = fixed_us + kv_bytes / marginal rate, fitted by least squares over the shapes of a
-    bench CSV with at least ``min_tokens`` tokens in the batch (num_seqs x max_seq_len), once for
+    bench CSV with at least ``min_tokens`` tokens in the batch (num_seqs x max_seq_len; default
+    STREAMING_MIN_TOKENS), once for
     the fastest verified CPA row per shape and once for SDPA. A decode step at these shapes is a
     streaming read, so the two numbers split a time into what does not grow with the context
     (launches, the first loads' latency, the combine, the tail) and the rate at which the bytes

@@ -169,7 +169,8 @@ def bench(
                        "sdpa_us", "vs_sdpa", "attn_vs_sdpa"]].round(3).to_string(index=False))
         fit = B.streaming_fit(df) if (df.tiling == "sdpa_cudnn").any() else None
         if fit is not None and len(fit) == 2 and (fit.shapes >= 4).all():
-            print("\ntime = fixed + K/V bytes / rate, least squares over these shapes (cpa.bench.streaming_fit):")
+            print(f"\ntime = fixed + K/V bytes / rate, least squares over the shapes with >= "
+                  f"{B.STREAMING_MIN_TOKENS} tokens in the batch (cpa.bench.streaming_fit):")
             print(fit.drop(columns="per_token_bytes").round(4).to_string(index=False))
         arch = str(df.arch.iloc[0]) if "arch" in df and len(df) else ""
         if arch in V.SHAPE_MODELS:

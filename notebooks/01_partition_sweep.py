@@ -144,7 +144,7 @@ display(B.summary_table(t2)[["batch", "context", "best", "best_us", "best_bw", "
 # combine helps; only a faster main loop (or a faster layout) would.
 
 # %%
-fit = B.streaming_fit(t2, min_tokens=131072)
+fit = B.streaming_fit(t2)  # the shapes with >= 128k tokens in the batch
 P.show(P.streaming_lines(t2, fit, source=t2_src))
 with pd.option_context("display.precision", 4):
     display(fit)

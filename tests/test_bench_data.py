@@ -132,7 +132,7 @@ def test_streaming_fit_recovers_an_exact_line():
             rows.append(dict(rows[-1], partition_size=2048, time_us=rows[-1]["time_us"] + 5))  # slower: not the best
             rows.append(dict(tiling="sdpa_cudnn", partition_size=0, num_seqs=b, max_seq_len=ctx, kv_bytes=kv,
                              time_us=9.0 + kv / 4550e3, verified=True, read_gbps_ceiling=4500.0))
-    fit = B.streaming_fit(pd.DataFrame(rows)).set_index("arm")
+    fit = B.streaming_fit(pd.DataFrame(rows), min_tokens=0).set_index("arm")
     assert fit.loc["cpa_best", "fixed_us"] == pytest.approx(8.0) and fit.loc["sdpa_cudnn", "fixed_us"] == pytest.approx(9.0)
     assert fit.loc["cpa_best", "marginal_gbps"] == pytest.approx(4400.0)
     assert fit.loc["sdpa_cudnn", "frac_read_ceiling"] == pytest.approx(4550 / 4500)
