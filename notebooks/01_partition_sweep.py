@@ -139,7 +139,7 @@ display(B.summary_table(t2)[["batch", "context", "best", "best_us", "best_bw", "
 # (`cpa.bench.streaming_fit`, least squares over the shapes with at least 128k tokens in the
 # batch). The fixed part -- launches, the first loads' latency, the combine, the tail -- is
 # where partitioning pays, and the kernel's is about a microsecond lower than SDPA's. The rate
-# is where it does not: cuDNN streams its contiguous K/V about 2.5% faster, so the two lines
+# is where it does not: cuDNN streams its contiguous K/V about 2.7% faster, so the two lines
 # cross at a few tens of thousands of tokens in the batch. Past that, no partition size or
 # combine helps; only a faster main loop (or a faster layout) would.
 
