@@ -506,6 +506,8 @@ def read_patterns(
                                        "(1-byte: half the run per block)."),
     kernel: bool = typer.Option(True, "--kernel/--no-kernel", help="time the CPA kernel (mfma16) and cuDNN SDPA "
                                 "at the same shape in the same run (fp16 cache only)."),
+    load_only: Optional[str] = typer.Option(None, help="comma-separated -DCPA_LOAD_ONLY levels (1, 2) to time "
+                                            "too: the kernel's loads alone, no math (with --kernel)."),
 ) -> None:
     """Read a decode step's K/V bytes with a plain streaming reader in the contiguous layout,
     the paged layout one KV head per program, and the paged layout whole physical blocks per
@@ -518,7 +520,7 @@ def read_patterns(
     try:
         df, ceil = RP.run(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=tuple(_ints(partition_sizes)),
                           patterns=tuple(_strs(patterns) or RP.PATTERNS), block_order=block_order, kernel_rows=kernel,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, load_only=tuple(_ints(load_only) or ()))
     except ValueError as e:  # pattern, shape or block order refused before any GPU work
         raise typer.BadParameter(str(e)) from None
     B.write_csv_atomic(df, out)

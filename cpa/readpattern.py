@@ -200,14 +200,28 @@ def make_byte_sets(num_seqs, seq_len, *, num_kv_heads, head_size, block_size, el
     return {"paged": paged, "paged_all_heads": paged, "contiguous": contiguous}
 
 
+LOAD_ONLY_LEVELS = (1, 2)  # -DCPA_LOAD_ONLY: 1 the loads alone, 2 the same holding the kernel's registers
+
+
+def check_load_only(levels) -> tuple:
+    levels = tuple(int(x) for x in levels)
+    bad = [x for x in levels if x not in LOAD_ONLY_LEVELS]
+    if bad:
+        raise ValueError(f"load_only={bad}: expected levels among {LOAD_ONLY_LEVELS} (-DCPA_LOAD_ONLY=N)")
+    return levels
+
+
 def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PATTERNS, configs=READER_CONFIGS,
-        replays=20, block_order="shuffled", progress=True, kernel_rows=True, kv_cache_dtype="auto"):
+        replays=20, block_order="shuffled", progress=True, kernel_rows=True, kv_cache_dtype="auto", load_only=()):
     """Time every pattern x partition size x reader shape at one Llama-3.1-70B decode shape
     (8 KV heads, head 128, block 16; random cache bytes, make_byte_sets), check each
     reader's checksum, and return (rows DataFrame, ceilings). ``kernel_rows``: time the CPA
     kernel (mfma16 at the same partition sizes) and cuDNN SDPA in the same run, through the
     bench. ``kv_cache_dtype``: "auto" (the fp16 cache) or "fp8" (1-byte elements: 2 KB runs at
-    head 128, block 16; the kernel rows are fp16-only, so there are none)."""
+    head 128, block 16; the kernel rows are fp16-only, so there are none). ``load_only``: levels
+    of ``-DCPA_LOAD_ONLY`` (1, 2) to time as well, kind ``load_only``: the kernel's own loads,
+    issued as the kernel issues them, with no math (wrong output, so never verified) -- what the
+    kernel's load pattern alone reaches beside the readers."""
     import pandas as pd
     import torch
 
@@ -217,6 +231,7 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     from .timing import time_graph
 
     B.check_block_order(block_order)
+    load_only = check_load_only(load_only)
     if kv_cache_dtype not in KV_BYTES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {tuple(KV_BYTES)}")
     elem = KV_BYTES[kv_cache_dtype]
@@ -281,6 +296,10 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
         keep = [c for c in ("pattern", "partition_size", "num_seqs", "max_seq_len", "time_us", "time_us_p25",
                             "time_us_p75", "gbps", "frac_peak_bw", "verified", "kind", "block_order") if c in kr]
         df = pd.concat([df, kr[keep]], ignore_index=True)
+        for level in load_only:
+            lr = _load_only_rows(B, level, num_seqs=num_seqs, seq_len=seq_len, partition_sizes=partition_sizes,
+                                 block_order=block_order)
+            df = pd.concat([df, lr[[c for c in keep + ["build_flags"] if c in lr]]], ignore_index=True)
     for kk, vv in prov.items():
         df[kk] = vv
     df["read_gbps_ceiling"] = ceil["read_gbps"]
@@ -288,9 +307,30 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     return df, ceil
 
 
+def _load_only_rows(B, level, *, num_seqs, seq_len, partition_sizes, block_order):
+    """The bench's mfma16 rows of a ``-DCPA_LOAD_ONLY=level`` build (CPA_NVCC_FLAGS for this call
+    only; builds are keyed by the flags), as kind ``load_only``, ``verified`` False."""
+    import os
+
+    old = os.environ.get("CPA_NVCC_FLAGS")
+    flags = f"{old or ''} -DCPA_LOAD_ONLY={level}".strip()
+    os.environ["CPA_NVCC_FLAGS"] = flags
+    try:
+        lr, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
+                      replays=30, sdpa=False, fused=False, cluster=False, shared=False, progress=False,
+                      block_order=block_order, default=False)
+    finally:
+        if old is None:
+            os.environ.pop("CPA_NVCC_FLAGS", None)
+        else:
+            os.environ["CPA_NVCC_FLAGS"] = old
+    return lr.rename(columns={"tiling": "pattern"}).assign(
+        kind="load_only", pattern=f"mfma16 loads only ({level})", verified=False, build_flags=flags)
+
+
 def best_per_pattern(df):
     """The fastest verified reader of each (pattern, partition size), and the kernel rows."""
-    ok = df[(df.kind == "kernel") | (df.get("verified", True) == True)]  # noqa: E712
+    ok = df[df.kind.isin(["kernel", "load_only"]) | (df.get("verified", True) == True)]  # noqa: E712
     ok = ok[ok.time_us.notna()]
     best = ok.loc[ok.groupby(["kind", "pattern", "partition_size"]).time_us.idxmin()]
     cols = [c for c in ("kind", "pattern", "partition_size", "blocks_per_iter", "num_warps", "num_stages", "programs",
@@ -372,7 +412,12 @@ def against_sdpa(df):
     by_run = out.index.get_level_values("run")
     out["kernel_us"] = [k[(k.run == r) & (k.pattern != "sdpa_cudnn")].time_us.min() for r in by_run]
     out["sdpa_us"] = [k[(k.run == r) & (k.pattern == "sdpa_cudnn")].time_us.min() for r in by_run]
-    for c in ("contiguous_reader", "paged_reader", "kernel"):
+    arms = ["contiguous_reader", "paged_reader", "kernel"]
+    lo = d[d.kind == "load_only"]
+    if len(lo):  # the kernel's loads alone (never verified: no math), best level and partition size
+        out["load_only_us"] = [lo[lo.run == r].time_us.min() for r in by_run]
+        arms.append("load_only")
+    for c in arms:
         out[f"sdpa_over_{c}"] = out.sdpa_us / out[f"{c}_us"]
     return out.reset_index()
 

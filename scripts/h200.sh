@@ -364,11 +364,12 @@ PYEOF
       # the same readers (contiguous and paged only) at other decode shapes, each beside the
       # kernel and SDPA: CPA_RP_SHAPES="8x131072:4096,8192 1x131072:1024,4096" (batch x context:
       # partition sizes), each in CPA_RP_ORDERS (shuffled, sequential) -> $OUT/<gpu>-read-patterns-
-      # <batch>x<context>-<order>-<commit>.csv; CPA_RP_TIMEOUT per run
+      # <batch>x<context>-<order>-<commit>.csv; CPA_RP_TIMEOUT per run; CPA_RP_EXTRA more options,
+      # e.g. "--load-only 1,2" (the kernel's loads alone beside the readers)
       for spec in ${CPA_RP_SHAPES:-8x131072:4096,8192}; do
         shp=${spec%%:*}; parts=${spec#*:}
         for order in ${CPA_RP_ORDERS:-shuffled}; do
-          A="--num-seqs ${shp%x*} --seq-len ${shp#*x} --partition-sizes $parts --patterns contiguous,paged --block-order $order"
+          A="--num-seqs ${shp%x*} --seq-len ${shp#*x} --partition-sizes $parts --patterns contiguous,paged --block-order $order ${CPA_RP_EXTRA:-}"
           echo "--- read-patterns $A ($(date -u +%H:%M:%S))"
           CPA_COMMAND="python3 -m cpa read-patterns $A" timeout ${CPA_RP_TIMEOUT:-200} $PY -m cpa read-patterns $A \
             --out "$OUT/$GPU_TAG-read-patterns-$shp-$order-${CPA_GIT_COMMIT:0:7}.csv" 2>&1 \

@@ -48,6 +48,18 @@ def test_run_refuses_before_any_gpu_work():
         RP.run(patterns=("paged", "strided"), progress=False)
     with pytest.raises(ValueError, match="block_order"):
         RP.run(block_order="random", progress=False)
+    with pytest.raises(ValueError, match="load_only=\\[3\\]"):
+        RP.run(load_only=(1, 3), progress=False)
+
+
+def test_cli_refuses_a_load_only_level_before_any_gpu_work(tmp_path):
+    from typer.testing import CliRunner
+
+    from cpa.cli import app
+
+    out = tmp_path / "rp.csv"
+    res = CliRunner().invoke(app, ["read-patterns", "--load-only", "3", "--out", str(out)])
+    assert res.exit_code == 2 and "load_only" in res.output and not out.exists(), res.output
 
 
 def test_checksum_wraps_like_int32():
@@ -249,3 +261,38 @@ def test_shipped_h100_bound_at_long_contexts():
     seq, shuf = t.loc[(8, 131072, "sequential")], t.loc[(8, 131072, "shuffled")]
     assert 0.985 < seq.paged_reader_us / shuf.paged_reader_us < 0.995
     assert 0.985 < seq.kernel_us / shuf.kernel_us < 0.995
+
+
+def test_against_sdpa_reports_the_loads_alone_where_a_run_has_them():
+    import pandas as pd
+
+    df = _synthetic_run("r1")
+    lo = pd.DataFrame([dict(kind="load_only", pattern="mfma16 loads only (1)", partition_size=8192, time_us=241.0,
+                            verified=False, run="r1"),
+                       dict(kind="load_only", pattern="mfma16 loads only (2)", partition_size=4096, time_us=243.0,
+                            verified=False, run="r1")])
+    t = RP.against_sdpa(pd.concat([df, lo], ignore_index=True)).set_index("run")
+    assert t.loc["r1", "load_only_us"] == 241.0 and t.loc["r1", "sdpa_over_load_only"] == 239.0 / 241.0
+    assert t.loc["r1", "kernel_us"] == 244.0  # unverified load-only rows are never the kernel's
+    assert "load_only_us" not in RP.against_sdpa(df).columns  # a run without them: no column
+    best = RP.best_per_pattern(pd.concat([df, lo], ignore_index=True))
+    assert set(best[best.kind == "load_only"].pattern) == {"mfma16 loads only (1)", "mfma16 loads only (2)"}
+
+
+@pytest.mark.gpu
+def test_load_only_rows_on_the_gpu(monkeypatch):
+    """RP.run with load_only: the -DCPA_LOAD_ONLY build's rows beside the reader and the kernel,
+    never verified, with their flags, and CPA_NVCC_FLAGS as it was afterwards."""
+    import os
+
+    monkeypatch.delenv("CPA_NVCC_FLAGS", raising=False)
+    df, _ = RP.run(num_seqs=1, seq_len=4096, partition_sizes=(1024,), patterns=("paged",), configs=((1, 4, 1),),
+                   replays=3, progress=False, load_only=(1,))
+    lo = df[df.kind == "load_only"]
+    assert len(lo) == 1 and lo.time_us.iloc[0] > 0 and not lo.verified.any()
+    assert lo.build_flags.iloc[0] == "-DCPA_LOAD_ONLY=1" and lo.pattern.iloc[0] == "mfma16 loads only (1)"
+    assert "CPA_NVCC_FLAGS" not in os.environ
+    k = df[(df.kind == "kernel") & (df.pattern == "mfma16")]
+    assert len(k) == 1 and k.verified.all()  # the real kernel, built without the flag
+    t = RP.against_sdpa(df.assign(run="r"))
+    assert t.load_only_us.iloc[0] == lo.time_us.iloc[0]
