@@ -418,6 +418,17 @@ def sdpa_gap(df):
 STREAMING_MIN_TOKENS = 131072
 
 
+def fit_line(kv_bytes, time_us) -> tuple[float, float, float]:
+    """Least squares of time_us = fixed + kv_bytes / rate: (fixed us, rate GB/s, largest
+    relative residual)."""
+    import numpy as np
+
+    b, t = np.asarray(kv_bytes, float), np.asarray(time_us, float)
+    a = np.vstack([np.ones(len(b)), b]).T
+    (fixed, per_byte), *_ = np.linalg.lstsq(a, t, rcond=None)
+    return float(fixed), 1e-3 / float(per_byte), float(np.abs(a @ [fixed, per_byte] / t - 1).max())
+
+
 def streaming_fit(df, min_tokens: int = STREAMING_MIN_TOKENS):
     """time = fixed_us + kv_bytes / marginal rate, fitted by least squares over the shapes of a
     bench CSV with at least ``min_tokens`` tokens in the batch (num_seqs x max_seq_len; default
@@ -440,14 +451,11 @@ def streaming_fit(df, min_tokens: int = STREAMING_MIN_TOKENS):
         best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
         if len(best) < 2:
             continue
-        a = np.vstack([np.ones(len(best)), best.b.to_numpy(float)]).T
-        (fixed, per_byte), *_ = np.linalg.lstsq(a, best.t.to_numpy(float), rcond=None)
-        resid = a @ [fixed, per_byte] / best.t - 1
-        rate = 1e-3 / per_byte  # bytes per us -> GB/s
+        fixed, rate, resid = fit_line(best.b, best.t)
         ceil = float(g.read_gbps_ceiling.median()) if "read_gbps_ceiling" in g else float("nan")
         per_token = float((best.b / (best.num_seqs * best.max_seq_len)).median())
         rows.append(dict(arm=arm, fixed_us=float(fixed), marginal_gbps=rate, frac_read_ceiling=rate / ceil,
-                         max_rel_residual=float(np.abs(resid).max()), shapes=len(best), per_token_bytes=per_token))
+                         max_rel_residual=resid, shapes=len(best), per_token_bytes=per_token))
     out = pd.DataFrame(rows)
     if set(out.get("arm", [])) >= {"cpa_best", "sdpa_cudnn"}:
         c, s = (out.set_index("arm").loc[a] for a in ("cpa_best", "sdpa_cudnn"))

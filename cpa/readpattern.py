@@ -402,12 +402,13 @@ def against_sdpa(df):
     import pandas as pd
 
     d = df[df.time_us.notna()]
-    keys = [k for k in ("run", "num_seqs", "max_seq_len", "block_order") if k in d]
+    keys = [k for k in ("run", "num_seqs", "max_seq_len", "block_order", "kv_cache_dtype") if k in d]
     ok = d[(d.kind == "reader") & (d.get("verified", False) == True)]  # noqa: E712
     if ok.empty or "run" not in d:
         return pd.DataFrame()
     out = ok.groupby(keys + ["pattern"]).time_us.min().unstack("pattern")
     out = out.reindex(columns=["contiguous", "paged"]).rename(columns=lambda c: f"{c}_reader_us")
+    out.columns.name = None
     k = d[(d.kind == "kernel") & (d.get("verified", True) != False)]  # noqa: E712
     by_run = out.index.get_level_values("run")
     out["kernel_us"] = [k[(k.run == r) & (k.pattern != "sdpa_cudnn")].time_us.min() for r in by_run]
@@ -420,6 +421,33 @@ def against_sdpa(df):
     for c in arms:
         out[f"sdpa_over_{c}"] = out.sdpa_us / out[f"{c}_us"]
     return out.reset_index()
+
+
+def against_sdpa_lines(table, block_order: str = "shuffled"):
+    """The runs of :func:`against_sdpa` (one shape each, ``block_order`` only) as one line per
+    arm, time = fixed + K/V bytes / rate (:func:`cpa.bench.fit_line`; K/V bytes at the
+    Llama-3.1-70B shape: 4096 per token with a 16-bit cache): the contiguous and paged readers, the kernel, its
+    loads alone where the runs have them, and SDPA. Splits each arm's time into what does not
+    grow with the context and the rate it streams at."""
+    import pandas as pd
+
+    from . import bench as B
+
+    t = table[table.block_order == block_order] if "block_order" in table else table
+    elem = t.kv_cache_dtype.map(KV_BYTES) if "kv_cache_dtype" in t else 2
+    kv = 2 * B.LLAMA70B["num_kv_heads"] * B.LLAMA70B["head_size"] * elem * t.num_seqs * t.max_seq_len
+    rows = []
+    for arm in ("contiguous_reader", "paged_reader", "kernel", "load_only", "sdpa"):
+        col = f"{arm}_us"
+        if col not in t or t[col].notna().sum() < 2:
+            continue
+        ok = t[col].notna()
+        fixed, rate, resid = B.fit_line(kv[ok], t.loc[ok, col])
+        rows.append(dict(arm=arm, fixed_us=fixed, rate_gbps=rate, max_rel_residual=resid, shapes=int(ok.sum())))
+    out = pd.DataFrame(rows)
+    if len(out) and "sdpa" in set(out.arm):
+        out["rate_vs_sdpa"] = out.rate_gbps / float(out.set_index("arm").loc["sdpa", "rate_gbps"])
+    return out
 
 
 def layout_cost(df):

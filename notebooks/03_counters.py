@@ -199,6 +199,8 @@ bound = RP.load_shipped(gpu="h100")
 display(Markdown(RP.banner(bound)))
 with pd.option_context("display.precision", 3, "display.width", 200):
     display(RP.against_sdpa(bound).drop(columns="run"))
+    # one line per arm through the shuffled shapes: time = fixed + K/V bytes / rate
+    display(RP.against_sdpa_lines(RP.against_sdpa(bound)))
 
 # %% [markdown]
 # A reader that does nothing but read the paged cache, in the kernel's decomposition, is faster
@@ -207,3 +209,8 @@ with pd.option_context("display.precision", 3, "display.width", 200):
 # K/V stream faster than any paged reader tried, so target 2 at those shapes asks the kernel to
 # read faster than the best reader of its layout. Everywhere the kernel trails that reader by
 # 2-5%: that, not the layout, is what it leaves on the table below 256k tokens.
+#
+# The lines say the same per byte. The contiguous reader streams at SDPA's rate; the paged
+# layout costs a reader about 1.5% of it, and the kernel about as much again on top. The kernel's
+# fixed cost (about 7 us: launches, the first loads, the combine) sits between the reader's and
+# SDPA's -- which is why it wins the short shapes and loses the long ones.

@@ -257,6 +257,15 @@ def test_shipped_h100_bound_at_long_contexts():
     assert t.loc[(8, 131072, "shuffled"), "sdpa_over_paged_reader"] < 0.99
     assert (t.kernel_us > t.paged_reader_us * 1.015).all()  # the kernel trails the reader everywhere
     assert (t.contiguous_reader_us < t.paged_reader_us).all()  # and the layout costs the reader
+    # one line per arm through the seven shuffled shapes (time = fixed + bytes / rate): the
+    # contiguous reader streams at SDPA's rate, the paged layout costs a reader 1-2% of it and
+    # the kernel as much again; the kernel's fixed cost is below SDPA's
+    lines = RP.against_sdpa_lines(RP.against_sdpa(df)).set_index("arm")
+    assert (lines.shapes == 7).all() and (lines.max_rel_residual < 0.01).all()
+    assert abs(lines.loc["contiguous_reader", "rate_vs_sdpa"] - 1) < 0.005
+    assert 0.98 < lines.loc["paged_reader", "rate_vs_sdpa"] < 0.99
+    assert 0.965 < lines.loc["kernel", "rate_vs_sdpa"] < lines.loc["paged_reader", "rate_vs_sdpa"] - 0.01
+    assert lines.loc["paged_reader", "fixed_us"] < lines.loc["kernel", "fixed_us"] < lines.loc["sdpa", "fixed_us"]
     # consecutive physical blocks: the reader and the kernel both about 1% faster at 8 x 128k
     seq, shuf = t.loc[(8, 131072, "sequential")], t.loc[(8, 131072, "shuffled")]
     assert 0.985 < seq.paged_reader_us / shuf.paged_reader_us < 0.995
