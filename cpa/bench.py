@@ -440,7 +440,6 @@ def streaming_fit(df, min_tokens: int = STREAMING_MIN_TOKENS):
     run's read ceiling), the largest relative residual and the number of shapes; plus
     ``crossover_tokens`` on the CPA row: the batch's tokens above which SDPA's line is below
     the kernel's (NaN where the lines do not cross the right way round)."""
-    import numpy as np
     import pandas as pd
 
     d, _ = _kernel_rows(df)
