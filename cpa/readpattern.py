@@ -423,18 +423,20 @@ def against_sdpa(df):
     return out.reset_index()
 
 
-def against_sdpa_lines(table, block_order: str = "shuffled"):
-    """The runs of :func:`against_sdpa` (one shape each, ``block_order`` only) as one line per
-    arm, time = fixed + K/V bytes / rate (:func:`cpa.bench.fit_line`; K/V bytes at the
-    Llama-3.1-70B shape: 4096 per token with a 16-bit cache): the contiguous and paged readers, the kernel, its
-    loads alone where the runs have them, and SDPA. Splits each arm's time into what does not
-    grow with the context and the rate it streams at."""
+def against_sdpa_lines(table, block_order: str = "shuffled", kv_cache_dtype: str = "auto"):
+    """The runs of :func:`against_sdpa` (one shape each; those of ``block_order`` and
+    ``kv_cache_dtype`` only) as one line per arm, time = fixed + K/V bytes / rate
+    (:func:`cpa.bench.fit_line`; K/V bytes at the Llama-3.1-70B shape, 4096 per token with a
+    16-bit cache): the contiguous and paged readers, the kernel, its loads alone where the runs
+    have them, and SDPA. Splits each arm's time into what does not grow with the context and
+    the rate it streams at."""
     import pandas as pd
 
     from . import bench as B
 
     t = table[table.block_order == block_order] if "block_order" in table else table
-    elem = t.kv_cache_dtype.map(KV_BYTES) if "kv_cache_dtype" in t else 2
+    t = t[t.kv_cache_dtype == kv_cache_dtype] if "kv_cache_dtype" in t else t
+    elem = KV_BYTES[kv_cache_dtype]
     kv = 2 * B.LLAMA70B["num_kv_heads"] * B.LLAMA70B["head_size"] * elem * t.num_seqs * t.max_seq_len
     rows = []
     for arm in ("contiguous_reader", "paged_reader", "kernel", "load_only", "sdpa"):
