@@ -429,11 +429,27 @@ def fit_line(kv_bytes, time_us) -> tuple[float, float, float]:
     return float(fixed), 1e-3 / float(per_byte), float(np.abs(a @ [fixed, per_byte] / t - 1).max())
 
 
+def streaming_points(df, min_tokens: int = 0) -> dict:
+    """{arm: (points, rows)} for the two arms of a bench CSV, ``cpa_best`` (the fastest verified
+    CPA row of each shape) and ``sdpa_cudnn``, over the shapes with at least ``min_tokens``
+    tokens in the batch: ``points`` one row per shape (num_seqs, max_seq_len, ``t`` its time in
+    us, ``b`` its K/V bytes), ``rows`` the arm's rows behind them (for their read ceilings).
+    What streaming_fit fits and plots.streaming_lines draws."""
+    d, _ = _kernel_rows(df)
+    arms = {"cpa_best": d, "sdpa_cudnn": df[(df.tiling == "sdpa_cudnn") & df.time_us.notna()]}
+    out = {}
+    for arm, g in arms.items():
+        g = g[g.num_seqs * g.max_seq_len >= min_tokens]
+        best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
+        out[arm] = (best, g)
+    return out
+
+
 def streaming_fit(df, min_tokens: int = STREAMING_MIN_TOKENS):
     """time = fixed_us + kv_bytes / marginal rate, fitted by least squares over the shapes of a
     bench CSV with at least ``min_tokens`` tokens in the batch (num_seqs x max_seq_len; default
-    STREAMING_MIN_TOKENS), once for
-    the fastest verified CPA row per shape and once for SDPA. A decode step at these shapes is a
+    STREAMING_MIN_TOKENS), once for the fastest verified CPA row per shape and once for SDPA
+    (streaming_points). A decode step at these shapes is a
     streaming read, so the two numbers split a time into what does not grow with the context
     (launches, the first loads' latency, the combine, the tail) and the rate at which the bytes
     then stream. One row per arm: ``fixed_us``, ``marginal_gbps``, ``frac_read_ceiling`` (of the
@@ -442,12 +458,8 @@ def streaming_fit(df, min_tokens: int = STREAMING_MIN_TOKENS):
     the kernel's (NaN where the lines do not cross the right way round)."""
     import pandas as pd
 
-    d, _ = _kernel_rows(df)
-    arms = {"cpa_best": d, "sdpa_cudnn": df[(df.tiling == "sdpa_cudnn") & df.time_us.notna()]}
     rows = []
-    for arm, g in arms.items():
-        g = g[g.num_seqs * g.max_seq_len >= min_tokens]
-        best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
+    for arm, (best, g) in streaming_points(df, min_tokens).items():
         if len(best) < 2:
             continue
         fixed, rate, resid = fit_line(best.b, best.t)

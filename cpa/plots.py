@@ -201,15 +201,13 @@ def streaming_lines(df, fit, *, source: str):
 
     from . import bench as B
 
-    d, _ = B._kernel_rows(df)
-    arms = {"cpa_best": ("CPA, fastest launch per shape", "#d62728", d),
-            "sdpa_cudnn": ("cuDNN SDPA", "#1f77b4", df[(df.tiling == "sdpa_cudnn") & df.time_us.notna()])}
+    names = {"cpa_best": ("CPA, fastest launch per shape", "#d62728"), "sdpa_cudnn": ("cuDNN SDPA", "#1f77b4")}
     f = fit.set_index("arm")
     fig = go.Figure()
     lo, hi = float(df.kv_bytes.min()), float(df.kv_bytes.max())
     xs = np.geomspace(lo, hi, 60)
-    for arm, (name, color, g) in arms.items():
-        best = g.groupby(["num_seqs", "max_seq_len"]).agg(t=("time_us", "min"), b=("kv_bytes", "first")).reset_index()
+    for arm, (best, _) in B.streaming_points(df).items():
+        name, color = names[arm]
         fig.add_trace(go.Scatter(
             x=best.b / 1e9, y=best.b / best.t / 1e3, mode="markers", name=name, marker=dict(color=color, size=8),
             text=[f"{int(n)} x {int(c) // 1024}k: {t:.1f} us"
