@@ -289,16 +289,13 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     df = pd.DataFrame(rows)
     df["kind"] = "reader"
     if kernel_rows and kv_cache_dtype == "auto":
-        kr, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
-                      replays=30, sdpa=True, fused=False, cluster=False, shared=False, progress=False,
-                      block_order=block_order, default=False)
-        kr = kr.rename(columns={"tiling": "pattern"}).assign(kind="kernel")
+        shape_args = dict(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=partition_sizes, block_order=block_order)
+        kr = _mfma16_rows(B, sdpa=True, **shape_args).assign(kind="kernel")
         keep = [c for c in ("pattern", "partition_size", "num_seqs", "max_seq_len", "time_us", "time_us_p25",
                             "time_us_p75", "gbps", "frac_peak_bw", "verified", "kind", "block_order") if c in kr]
         df = pd.concat([df, kr[keep]], ignore_index=True)
         for level in load_only:
-            lr = _load_only_rows(B, level, num_seqs=num_seqs, seq_len=seq_len, partition_sizes=partition_sizes,
-                                 block_order=block_order)
+            lr = _load_only_rows(B, level, **shape_args)
             df = pd.concat([df, lr[[c for c in keep + ["build_flags"] if c in lr]]], ignore_index=True)
     for kk, vv in prov.items():
         df[kk] = vv
@@ -307,7 +304,16 @@ def run(*, num_seqs=8, seq_len=32768, partition_sizes=(4096, 8192), patterns=PAT
     return df, ceil
 
 
-def _load_only_rows(B, level, *, num_seqs, seq_len, partition_sizes, block_order):
+def _mfma16_rows(B, *, sdpa, num_seqs, seq_len, partition_sizes, block_order):
+    """`cpa bench`'s rows at the readers' shape: mfma16 at their partition sizes with the reduce
+    launch (and SDPA if asked), the tiling in column ``pattern`` as the reader rows have it."""
+    rows, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
+                    replays=30, sdpa=sdpa, fused=False, cluster=False, shared=False, progress=False,
+                    block_order=block_order, default=False)
+    return rows.rename(columns={"tiling": "pattern"})
+
+
+def _load_only_rows(B, level, **shape_args):
     """The bench's mfma16 rows of a ``-DCPA_LOAD_ONLY=level`` build (CPA_NVCC_FLAGS for this call
     only; builds are keyed by the flags), as kind ``load_only``, ``verified`` False."""
     import os
@@ -316,16 +322,13 @@ def _load_only_rows(B, level, *, num_seqs, seq_len, partition_sizes, block_order
     flags = f"{old or ''} -DCPA_LOAD_ONLY={level}".strip()
     os.environ["CPA_NVCC_FLAGS"] = flags
     try:
-        lr, _ = B.run(batches=(num_seqs,), contexts=(seq_len,), tilings=("mfma16",), partition_sizes=partition_sizes,
-                      replays=30, sdpa=False, fused=False, cluster=False, shared=False, progress=False,
-                      block_order=block_order, default=False)
+        lr = _mfma16_rows(B, sdpa=False, **shape_args)
     finally:
         if old is None:
             os.environ.pop("CPA_NVCC_FLAGS", None)
         else:
             os.environ["CPA_NVCC_FLAGS"] = old
-    return lr.rename(columns={"tiling": "pattern"}).assign(
-        kind="load_only", pattern=f"mfma16 loads only ({level})", verified=False, build_flags=flags)
+    return lr.assign(kind="load_only", pattern=f"mfma16 loads only ({level})", verified=False, build_flags=flags)
 
 
 def best_per_pattern(df):

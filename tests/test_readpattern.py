@@ -305,3 +305,34 @@ def test_load_only_rows_on_the_gpu(monkeypatch):
     assert len(k) == 1 and k.verified.all()  # the real kernel, built without the flag
     t = RP.against_sdpa(df.assign(run="r"))
     assert t.load_only_us.iloc[0] == lo.time_us.iloc[0]
+
+
+def test_load_only_rows_build_with_the_flag_and_restore_it(monkeypatch):
+    """_load_only_rows on the CPU, the bench replaced: it runs mfma16 at the readers' shape with
+    -DCPA_LOAD_ONLY appended to the caller's flags, labels the rows, and leaves CPA_NVCC_FLAGS as
+    it found it (also when the bench fails)."""
+    import os
+    import types
+
+    import pandas as pd
+
+    seen = []
+
+    def fake_run(**kw):
+        seen.append((os.environ.get("CPA_NVCC_FLAGS"), kw))
+        if kw["partition_sizes"] == (0,):
+            raise RuntimeError("build failed")
+        return pd.DataFrame([dict(tiling="mfma16", partition_size=4096, time_us=100.0, verified=False)]), {}
+
+    B = types.SimpleNamespace(run=fake_run)
+    monkeypatch.setenv("CPA_NVCC_FLAGS", "-DCPA_MIN_BLOCKS=1")
+    rows = RP._load_only_rows(B, 2, num_seqs=8, seq_len=131072, partition_sizes=(4096,), block_order="shuffled")
+    flags, kw = seen[0]
+    assert flags == "-DCPA_MIN_BLOCKS=1 -DCPA_LOAD_ONLY=2" and os.environ["CPA_NVCC_FLAGS"] == "-DCPA_MIN_BLOCKS=1"
+    assert kw["tilings"] == ("mfma16",) and kw["batches"] == (8,) and kw["contexts"] == (131072,) and not kw["sdpa"]
+    assert list(rows.pattern) == ["mfma16 loads only (2)"] and list(rows.kind) == ["load_only"]
+    assert not rows.verified.any() and list(rows.build_flags) == [flags]
+    monkeypatch.delenv("CPA_NVCC_FLAGS")
+    with pytest.raises(RuntimeError, match="build failed"):
+        RP._load_only_rows(B, 1, num_seqs=1, seq_len=4096, partition_sizes=(0,), block_order="shuffled")
+    assert seen[-1][0] == "-DCPA_LOAD_ONLY=1" and "CPA_NVCC_FLAGS" not in os.environ
