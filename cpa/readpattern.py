@@ -369,17 +369,23 @@ def rate_by_bytes_in_flight(df):
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "data" / "bench" / "experiments"
 
 
-def load_shipped(paths=None, gpu: str = "h200"):
+def load_shipped(paths=None, gpu: str = "h200", commit: str | None = None):
     """Every shipped read-pattern run of one card (``data/bench/experiments/<gpu>-read-patterns*.csv``,
     ``gpu`` = "h200" or "h100"; or ``paths``) in one table, with ``run`` = the file's stem: rows
     of different runs (different calls, maybe different cards of the pool) are compared only
-    within their run."""
+    within their run. ``commit``: only the runs measured at a commit starting with it (one
+    session's calls, usually one machine: what a line through several runs may mix)."""
     import pandas as pd
 
     paths = sorted(EXPERIMENTS.glob(f"{gpu}-read-patterns*.csv")) if paths is None else [Path(p) for p in paths]
     if not paths:
         raise FileNotFoundError(f"no read-pattern runs under {EXPERIMENTS}")
-    return pd.concat([pd.read_csv(p).assign(run=Path(p).stem) for p in paths], ignore_index=True)
+    df = pd.concat([pd.read_csv(p).assign(run=Path(p).stem) for p in paths], ignore_index=True)
+    if commit is not None:
+        df = df[df.git_commit.astype(str).str.startswith(commit)].reset_index(drop=True)
+        if df.empty:
+            raise FileNotFoundError(f"no {gpu} read-pattern runs at commit {commit!r} under {EXPERIMENTS}")
+    return df
 
 
 def banner(df) -> str:

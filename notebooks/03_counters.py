@@ -195,7 +195,7 @@ for run, g in main.groupby("run"):
 # %%
 import pandas as pd
 
-bound = RP.load_shipped(gpu="h100")
+bound = RP.load_shipped(gpu="h100", commit="c60f99f")  # one session's calls: one card
 display(Markdown(RP.banner(bound)))
 with pd.option_context("display.precision", 3, "display.width", 200):
     display(RP.against_sdpa(bound).drop(columns="run"))
@@ -214,3 +214,27 @@ with pd.option_context("display.precision", 3, "display.width", 200):
 # layout costs a reader about 1.5% of it, and the kernel about as much again on top. The kernel's
 # fixed cost (about 7 us: launches, the first loads, the combine) sits between the reader's and
 # SDPA's -- which is why it wins the short shapes and loses the long ones.
+
+# %% [markdown]
+# ### The kernel's loads alone
+# How much of the kernel's gap to the paged reader is the way its loads stream, and how much its
+# math? `cpa read-patterns --load-only 1,2` times two builds of the kernel whose main loop issues
+# exactly the kernel's loads and folds the registers with XORs (no QK, softmax or P x V: the
+# output is wrong, so these rows are never verified; level 1 holds 158 registers, level 2 the
+# real kernel's ~220). A later session, **measured on another H100** of the pool (a faster one:
+# read ceiling 3226 GB/s), so these runs are fitted on their own.
+
+# %%
+alone = RP.load_shipped(gpu="h100", commit="1941857")
+display(Markdown(RP.banner(alone)))
+with pd.option_context("display.precision", 3, "display.width", 200):
+    display(RP.against_sdpa(alone).drop(columns="run"))
+    display(RP.against_sdpa_lines(RP.against_sdpa(alone)))
+
+# %% [markdown]
+# At every shape the order is the same: contiguous reader, SDPA, paged reader, the kernel's loads
+# alone, the kernel. Per byte (the lines' rates against SDPA's) the layout costs a reader about
+# 1.4%, the kernel's way of issuing the same loads about 0.9% more, and its math about 0.6%.
+# So even a kernel whose math were free would stay behind the paged reader on this card: the
+# loads of one 16 KB register step per warp, four warps per workgroup, stream a little less
+# steadily than the reader's many small programs.
