@@ -2,7 +2,8 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async, hostcost, hostprofile,
-# ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern, readpattern-shapes.
+# ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern, readpattern-shapes,
+# readpattern-arms.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -66,6 +67,24 @@ h200_only() {
   [ -n "${CPA_ALLOW_OTHER_GPU:-}" ] && { echo "h200.sh: step $1 on '$GPU_NAME' (CPA_ALLOW_OTHER_GPU)"; return 0; }
   echo "h200.sh: step $1 skipped: '$GPU_NAME' is not an H200 (CPA_ALLOW_OTHER_GPU=1 runs it anyway)"
   return 1
+}
+# rp_shapes TAG: `cpa read-patterns` at each shape of CPA_RP_SHAPES in each order of
+# CPA_RP_ORDERS, the build of the caller's CPA_NVCC_FLAGS (recorded in the command), files
+# $OUT/<gpu>-read-patterns-<shape>-<order>-<commit>TAG.csv
+rp_shapes() {
+  local spec shp parts order A pre=""
+  [ -n "${CPA_NVCC_FLAGS:-}" ] && pre="CPA_NVCC_FLAGS='$CPA_NVCC_FLAGS' "
+  for spec in ${CPA_RP_SHAPES:-8x131072:4096,8192}; do
+    shp=${spec%%:*}; parts=${spec#*:}
+    for order in ${CPA_RP_ORDERS:-shuffled}; do
+      A="--num-seqs ${shp%x*} --seq-len ${shp#*x} --partition-sizes $parts --patterns contiguous,paged --block-order $order"
+      A="$A${CPA_RP_LOAD_ONLY:+ --load-only $CPA_RP_LOAD_ONLY} ${CPA_RP_EXTRA:-}"
+      echo "--- ${pre}read-patterns $A ($(date -u +%H:%M:%S))"
+      CPA_COMMAND="${pre}python3 -m cpa read-patterns $A" timeout ${CPA_RP_TIMEOUT:-200} $PY -m cpa read-patterns $A \
+        --out "$OUT/$GPU_TAG-read-patterns-$shp-$order-${CPA_GIT_COMMIT:0:7}$1.csv" 2>&1 \
+        | grep -v "reader/s\|it/s" | tail -${CPA_RP_LINES:-14}
+    done
+  done
 }
 for step in "$@"; do
   echo "=== step $step ($(date -u +%H:%M:%S))"
@@ -366,16 +385,25 @@ PYEOF
       # partition sizes), each in CPA_RP_ORDERS (shuffled, sequential) -> $OUT/<gpu>-read-patterns-
       # <batch>x<context>-<order>-<commit>.csv; CPA_RP_TIMEOUT per run; CPA_RP_EXTRA more options,
       # e.g. "--load-only 1,2" (the kernel's loads alone beside the readers)
-      for spec in ${CPA_RP_SHAPES:-8x131072:4096,8192}; do
-        shp=${spec%%:*}; parts=${spec#*:}
-        for order in ${CPA_RP_ORDERS:-shuffled}; do
-          A="--num-seqs ${shp%x*} --seq-len ${shp#*x} --partition-sizes $parts --patterns contiguous,paged --block-order $order ${CPA_RP_EXTRA:-}"
-          echo "--- read-patterns $A ($(date -u +%H:%M:%S))"
-          CPA_COMMAND="python3 -m cpa read-patterns $A" timeout ${CPA_RP_TIMEOUT:-200} $PY -m cpa read-patterns $A \
-            --out "$OUT/$GPU_TAG-read-patterns-$shp-$order-${CPA_GIT_COMMIT:0:7}.csv" 2>&1 \
-            | grep -v "reader/s\|it/s" | tail -${CPA_RP_LINES:-14}
+      rp_shapes ""
+      ;;
+    readpattern-arms)
+      # readpattern-shapes once per build of CPA_AB_ARMS="flags0|flags1|..." (CPA_NVCC_FLAGS =
+      # the arm: the kernel rows and, with CPA_RP_LOAD_ONLY=1,2, the load-only rows of that
+      # build; the readers and SDPA are the same in every arm) -> files ...-<commit>-arm<i>.csv.
+      # Every arm's mfma16 builds at the shapes' partition sizes (and load-only levels) are
+      # prebuilt in parallel first.
+      parts=$(for spec in ${CPA_RP_SHAPES:?set CPA_RP_SHAPES}; do echo "${spec#*:}" | tr , '\n'; done | sort -un | paste -sd,)
+      rp_prebuild() {
+        local lvl lo=${CPA_RP_LOAD_ONLY:-}
+        for lvl in "" ${lo//,/ }; do
+          CPA_NVCC_FLAGS="$1${lvl:+ -DCPA_LOAD_ONLY=$lvl}" $PY -m cpa prebuild --grid bench --tilings mfma16 \
+            --partition-sizes "$parts" --jobs 3 2>&1 | grep "prebuild:" | sed "s/^/arm $2${lvl:+ load-only $lvl} /" &
         done
-      done
+      }
+      t0=$SECONDS; for_each_arm rp_prebuild; wait; echo "all arms prebuilt in $((SECONDS - t0)) s"
+      rp_arm() { CPA_NVCC_FLAGS="$1" rp_shapes "-arm$2"; }
+      for_each_arm rp_arm
       ;;
     *) echo "unknown step $step"; exit 2;;
   esac
