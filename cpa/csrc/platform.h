@@ -183,8 +183,8 @@ CPA_DEVICE u32x2 load8(const void* p) {
 // hints: 0 __ldg; 1 .L1::no_allocate (default: the lines are used once, by the load that
 // brings them; measured 0.987x the time of 0, notes/kernel-notes.md); 2 .L2::256B (the L2
 // fetches the whole 256-byte chunk from DRAM: 1.07x slower at 8 x 32k); 3 both; 4 .L2::128B;
-// 5 1 + 2 + an L2 evict_first policy; 6 a plain (coherent, L1-allocating) ld.global, as
-// Triton's streaming readers issue it (cpa/readpattern.py); 7 6 with .L1::no_allocate. No-op on HIP.
+// 5 1 + 2 + an L2 evict_first policy. No-op on HIP. (Plain ld.global, as Triton's streaming
+// readers load, with and without .L1::no_allocate: level or 0.1-0.5% slower, 189802f, removed.)
 #ifndef CPA_KV_LOAD_HINT
 #define CPA_KV_LOAD_HINT 1
 #endif
@@ -197,10 +197,6 @@ CPA_DEVICE u32x2 load8(const void* p) {
 #define CPA_KV_LD "ld.global.nc.L1::no_allocate.L2::256B"
 #elif CPA_KV_LOAD_HINT == 4
 #define CPA_KV_LD "ld.global.nc.L2::128B"
-#elif CPA_KV_LOAD_HINT == 6
-#define CPA_KV_LD "ld.global"
-#elif CPA_KV_LOAD_HINT == 7
-#define CPA_KV_LD "ld.global.L1::no_allocate"
 #else
 #define CPA_KV_LD "ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B"
 #endif
