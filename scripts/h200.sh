@@ -408,3 +408,13 @@ PYEOF
     *) echo "unknown step $step"; exit 2;;
   esac
 done
+# The device tool brings back at most 8 files per call: past that, the result files of this
+# invocation go into one $OUT/results-<commit>-<time>.tgz (earlier invocations' archives of the
+# same call are left alone; unpack each into the checkout's root before use).
+n=$(find "$OUT" -type f | wc -l)
+if [ "$n" -gt 8 ]; then
+  tgz="results-${CPA_GIT_COMMIT:0:7}-$(date -u +%H%M%S).tgz"
+  (cd "$OUT" && find . -type f ! -name 'results-*.tgz' -printf '%P\n' | tar czf "$tgz" -T - \
+    && find . -type f ! -name 'results-*.tgz' -delete && find . -mindepth 1 -type d -empty -delete)
+  echo "h200.sh: $n files in \$OUT: packed into $tgz"
+fi
