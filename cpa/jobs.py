@@ -116,14 +116,48 @@ def build_time_main() -> dict:
     return res
 
 
+def reader_target(tiling: str) -> tuple[str, int, int] | None:
+    """``reader-<pattern>-<blocks per iteration>x<warps>`` (e.g. ``reader-paged-2x8``): a
+    `cpa read-patterns` reader as a profile target -> (pattern, blocks, warps); None for a tiling.
+    Refused before any GPU work when malformed."""
+    if not tiling.startswith("reader-"):
+        return None
+    from .readpattern import PATTERNS
+
+    pattern, _, shape = tiling[len("reader-"):].rpartition("-")
+    nb, _, warps = shape.partition("x")
+    if pattern not in PATTERNS or not nb.isdigit() or not warps.isdigit() or int(nb) < 1 or int(warps) not in (1, 2, 4, 8, 16):
+        raise ValueError(f"profile target {tiling!r}: expected reader-<{'|'.join(PATTERNS)}>-<blocks>x<warps>, "
+                         "e.g. reader-paged-2x8")
+    return pattern, int(nb), int(warps)
+
+
 def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int = 8, context: int = 32768) -> None:
     """Run one Llama-70B decode call a few times: a target for `ncu -k regex:paged_attention` (tiling
-    ``sdpa_cudnn``: torch SDPA's cuDNN backend on contiguous K/V instead)."""
+    ``sdpa_cudnn``: torch SDPA's cuDNN backend on contiguous K/V instead; ``reader-<pattern>-<NB>x<W>``:
+    the `cpa read-patterns` reader of that pattern and shape over the same decomposition, kernel
+    ``read_runs``, so ncu can set the reader's memory behaviour beside the kernel's)."""
     import torch
 
     from .bench import LLAMA70B, make_sets
     from .ops import prepare
 
+    reader = reader_target(tiling)
+    if reader is not None:
+        from . import readpattern as RP
+
+        pattern, nb, warps = reader
+        shape = dict(num_kv_heads=LLAMA70B["num_kv_heads"], head_size=LLAMA70B["head_size"],
+                     block_size=LLAMA70B["block_size"], elem_bytes=2)
+        sets = RP.make_byte_sets(batch, context, **shape)[pattern]
+        readers = [RP.Reader(pattern, t, num_seqs=batch, seq_len=context, partition_size=partition_size,
+                             blocks_per_iter=nb, num_warps=warps, **shape) for t in sets]
+        turn = iter(range(1 << 30))
+
+        def launch():  # the sets in turn, as the timed runs rotate them (no L2 reuse between launches)
+            readers[next(turn) % len(readers)]()
+        launch_and_profile(launch)
+        return
     sets = make_sets(batch, context, dtype=torch.float16, **LLAMA70B)
     if tiling == "sdpa_cudnn":  # the peer on contiguous K/V, as `cpa bench` runs it
         from .bench import contiguous_kv, sdpa_cudnn
@@ -137,7 +171,14 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
         launch = prepare(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
                          block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale,
                          partition_size=partition_size, tiling=tiling, fused_reduce=False)
-    launch()  # builds, plans and warms up outside the profiled range
+    launch_and_profile(launch)
+
+
+def launch_and_profile(launch) -> None:
+    """One launch outside the profiled range (builds, plans, warms up), then three inside it."""
+    import torch
+
+    launch()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()  # ncu --profile-from-start off sees only these launches
     for _ in range(3):

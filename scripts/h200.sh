@@ -159,13 +159,14 @@ PYEOF
       # where the attention kernel's warps wait and what its memory system does: ncu's warp-state
       # and memory metrics (raw page) of one launch, for each build in CPA_STALL_FLAGS (';'-separated
       # nvcc flag sets, an empty one is the default build) x each target in CPA_NCU_TARGETS
-      # (';'-separated "tiling P batch context"; tiling sdpa_cudnn profiles the peer's kernels)
+      # (';'-separated "tiling P batch context"; tiling sdpa_cudnn profiles the peer's kernels,
+      # reader-<pattern>-<blocks>x<warps> a `cpa read-patterns` reader, e.g. "reader-paged-2x8 4096 8 32768")
       IFS=';' read -ra builds <<< "${CPA_STALL_FLAGS:-}"; [ ${#builds[@]} = 0 ] && builds=("")
       IFS=';' read -ra targets <<< "${CPA_NCU_TARGETS:-mfma16 1024 8 32768}"
       for F in "${builds[@]}"; do
         for T in "${targets[@]}"; do
           tag=$(echo "${F:-default} $T" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
-          case "$T" in sdpa*) K="-c 6";; *) K="-k regex:paged_attention_kernel -s 1 -c 1";; esac
+          case "$T" in sdpa*) K="-c 6";; reader-*) K="-k regex:read_runs -s 1 -c 1";; *) K="-k regex:paged_attention_kernel -s 1 -c 1";; esac
           CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none --profile-from-start off $K --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
             --section SchedulerStats --section InstructionStats \

@@ -357,3 +357,58 @@ def test_load_only_rows_build_with_the_flag_and_restore_it(monkeypatch):
     with pytest.raises(RuntimeError, match="build failed"):
         RP._load_only_rows(B, 1, num_seqs=1, seq_len=4096, partition_sizes=(0,), block_order="shuffled")
     assert seen[-1][0] == "-DCPA_LOAD_ONLY=1" and "CPA_NVCC_FLAGS" not in os.environ
+
+
+def test_reader_profile_targets_parse_or_refuse():
+    """`scripts/h200.sh stalls` profiles a reader as target reader-<pattern>-<blocks>x<warps>;
+    a malformed one is refused before any GPU work, a kernel tiling is not a reader."""
+    from cpa import jobs as J
+
+    assert J.reader_target("reader-paged-2x8") == ("paged", 2, 8)
+    assert J.reader_target("reader-paged_all_heads-16x4") == ("paged_all_heads", 16, 4)
+    assert J.reader_target("mfma16") is None and J.reader_target("sdpa_cudnn") is None
+    for bad in ("reader-paged", "reader-strided-2x8", "reader-paged-2x3", "reader-paged-0x8", "reader-paged-2x"):
+        with pytest.raises(ValueError, match="reader-<"):
+            J.reader_target(bad)
+
+
+@pytest.mark.gpu
+def test_reader_profile_target_runs():
+    """profile_one with a reader target: builds the reader over the decode shape and launches it
+    (outside ncu the profiler range is a no-op); a reader shape that does not divide the
+    program's blocks is refused."""
+    from cpa import jobs as J
+
+    J.profile_one("reader-paged-2x8", 1024, 1, 8192)
+    with pytest.raises(ValueError, match="blocks_per_iter"):
+        J.profile_one("reader-paged-3x8", 1024, 1, 8192)
+
+
+def test_reader_profile_target_wiring(monkeypatch):
+    """On the CPU, the readers replaced: profile_one builds one reader per input set with the
+    target's pattern, blocks and warps at the decode shape, and launches the sets in turn."""
+    from cpa import jobs as J
+
+    made, calls = [], []
+
+    class FakeReader:
+        def __init__(self, pattern, tensors, **kw):
+            made.append((pattern, tensors, kw))
+            self.tensors = tensors
+
+        def __call__(self):
+            calls.append(self.tensors)
+
+    def fake_sets(num_seqs, seq_len, **shape):
+        assert (num_seqs, seq_len) == (2, 16384) and shape["elem_bytes"] == 2 and shape["head_size"] == 128
+        return {"paged": ["set0", "set1", "set2"], "contiguous": ["c0"], "paged_all_heads": ["set0", "set1", "set2"]}
+
+    monkeypatch.setattr(RP, "Reader", FakeReader)
+    monkeypatch.setattr(RP, "make_byte_sets", fake_sets)
+    monkeypatch.setattr(J, "launch_and_profile", lambda launch: [launch() for _ in range(4)])
+    J.profile_one("reader-paged-4x8", 2048, 2, 16384)
+    assert [m[1] for m in made] == ["set0", "set1", "set2"] and {m[0] for m in made} == {"paged"}
+    kw = made[0][2]
+    assert (kw["blocks_per_iter"], kw["num_warps"], kw["partition_size"]) == (4, 8, 2048)
+    assert (kw["num_seqs"], kw["seq_len"], kw["num_kv_heads"], kw["block_size"]) == (2, 16384, 8, 16)
+    assert calls == ["set0", "set1", "set2", "set0"]
