@@ -194,3 +194,60 @@ def theoretical_occupancy(joined, static=None, spec=None):
     out["grid_limited_occupancy"] = grid_lim
     out["slots"] = slots_l
     return out
+
+
+# ---- ncu raw pages of `scripts/h200.sh stalls` (one target per file) ----------------------------
+
+#: the raw-page metrics a stalls table keeps, by short name
+STALL_METRICS = {
+    "time_us": "gpu__time_duration.sum",  # ns in the page; converted below
+    "dram_read_gb": "dram__bytes_read.sum",
+    "l2_read_sectors_m": "lts__t_sectors_srcunit_tex_op_read.sum",
+    "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "warps_active_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "issue_active_pct": "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l2_hit_pct": "lts__t_sector_hit_rate.pct",
+    "instructions_m": "smsp__inst_executed.sum",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+    "block": "launch__block_size",
+}
+_SCALE = {"time_us": 1e-3, "dram_read_gb": 1e-9, "l2_read_sectors_m": 1e-6, "instructions_m": 1e-6}
+
+
+def read_ncu_raw(path) -> dict:
+    """The longest kernel of one ``ncu --csv --page raw`` file (the attention kernel of a
+    launch; cuDNN's flash kernel rather than its reduction) as {short name: number} over
+    :data:`STALL_METRICS`, plus ``kernel`` and ``top_stalls`` (the six largest warp-stall
+    reasons per issued instruction). ncu's notes and the unit row are skipped; a page without
+    the time column raises ValueError naming the file."""
+    import io
+
+    import pandas as pd
+
+    lines = [ln for ln in Path(path).read_text().splitlines(keepends=True) if not ln.startswith("==")]
+    df = pd.read_csv(io.StringIO("".join(lines)), dtype=str) if lines else pd.DataFrame()
+    if "gpu__time_duration.sum" not in df:
+        raise ValueError(f"{path}: not an ncu raw page with gpu__time_duration.sum")
+    df = df.iloc[1:]  # row 0: units
+
+    def num(x):
+        return pd.to_numeric(str(x).replace(",", ""), errors="coerce")
+
+    row = df.loc[df["gpu__time_duration.sum"].map(num).idxmax()]
+    out = {"kernel": str(row.get("Kernel Name", "?"))}
+    for short, col in STALL_METRICS.items():
+        out[short] = num(row[col]) * _SCALE.get(short, 1.0) if col in row else float("nan")
+    stalls = {c.split("issue_stalled_")[1].split("_per_issue")[0]: num(v) for c, v in row.items()
+              if "issue_stalled_" in c and c.endswith("_per_issue_active.ratio")}
+    top = sorted(((v, k) for k, v in stalls.items() if v == v), reverse=True)[:6]
+    out["top_stalls"] = ", ".join(f"{k} {v:.2f}" for v, k in top)
+    return out
+
+
+def stall_table(paths):
+    """One row per ncu raw page (:func:`read_ncu_raw`), ``target`` = the file's stem."""
+    import pandas as pd
+
+    return pd.DataFrame([dict(target=Path(p).stem, **read_ncu_raw(p)) for p in paths])

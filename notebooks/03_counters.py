@@ -238,3 +238,29 @@ with pd.option_context("display.precision", 3, "display.width", 200):
 # So even a kernel whose math were free would stay behind the paged reader on this card: the
 # loads of one 16 KB register step per warp, four warps per workgroup, stream a little less
 # steadily than the reader's many small programs.
+
+# %% [markdown]
+# ### The same, in Nsight Compute's counters
+# `scripts/h200.sh stalls` profiles a reader like a kernel (targets
+# `reader-<pattern>-<blocks>x<warps>`), so ncu can set the kernel, its loads alone, readers of
+# several shapes and cuDNN side by side at one shape (8 x 32k, P 4096; **measured on the same
+# H100**, one row per raw ncu page in `data/counters/experiments/h100-stalls-*-72a477e.csv`).
+
+# %%
+import glob
+
+ncu = C.stall_table(sorted(glob.glob(str(C.SHIPPED / "experiments" / "h100-stalls-*-72a477e.csv"))))
+ncu["target"] = ncu.target.str.replace("h100-stalls-", "").str.replace("_4096_8_32768-72a477e", "")
+cols = ["target", "time_us", "dram_throughput_pct", "warps_active_pct", "registers", "grid", "dram_read_gb",
+        "l2_read_sectors_m"]
+with pd.option_context("display.precision", 2, "display.width", 200):
+    display(ncu[cols].sort_values("time_us"))
+
+# %% [markdown]
+# Every one moves the same bytes (1.074 GB from DRAM, 33.6 M L2 sectors), and time follows the
+# DRAM throughput. The readers reach cuDNN's ~94% with twice the kernel's warps per SM -- 8 warps
+# per program, or the kernel's 16 KB per warp with 16 warps per SM -- while a reader with 4
+# warps per program sits where the kernel's loads do (92.4-92.9%). cuDNN gets there with the
+# kernel's 8 warps per SM by staging K and V through shared memory with cp.async. For this
+# kernel, more warps means fewer registers per warp; those forms were measured (notes,
+# "Thirteenth session") and did not pay.

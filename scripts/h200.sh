@@ -175,26 +175,17 @@ PYEOF
         done
       done
       $PY - "$OUT" <<'PYEOF'
-import glob, io, sys
-import pandas as pd
-show = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_read.sum.per_second", "smsp__inst_executed.sum", "lts__t_sectors_srcunit_tex_op_read.sum", "launch__registers_per_thread", "launch__grid_size",
-        "sm__warps_active.avg.pct_of_peak_sustained_active", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-        "lts__throughput.avg.pct_of_peak_sustained_elapsed", "lts__t_sector_hit_rate.pct", "lts__t_tag_requests.avg.pct_of_peak_sustained_elapsed",
-        "lts__t_sectors.avg.pct_of_peak_sustained_elapsed", "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
-        "smsp__average_warps_active_per_inst_executed.ratio")
+import glob, sys
+from cpa.counters import read_ncu_raw
 for f in sorted(glob.glob(sys.argv[1] + "/stalls-*.csv")):
-    lines = [ln for ln in open(f) if not ln.startswith("==")]
     try:
-        df = pd.read_csv(io.StringIO("".join(lines)), dtype=str).iloc[1:]  # row 0: units
-        df["_t"] = pd.to_numeric(df["gpu__time_duration.sum"].str.replace(",", ""), errors="coerce")
+        r = read_ncu_raw(f)
     except Exception as e:
-        print(f, "unreadable:", e, "".join(lines)[-800:]); continue
-    row = df.loc[df["_t"].idxmax()]  # the longest kernel of the launch (the attention kernel)
-    print(f.split("/")[-1], str(row.get("Kernel Name"))[:60])
-    print("   " + " ".join(f"{c.split('.')[0]}={row.get(c)}" for c in show))
-    keep = {c: row[c] for c in df.columns if "issue_stalled" in c and c.endswith("_per_issue_active.ratio")}
-    top = sorted(((float(str(v).replace(",", "")), k) for k, v in keep.items()), reverse=True)[:6]
-    print("   stalls/issue: " + ", ".join(f"{k.split('issue_stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, k in top))
+        print(f, "unreadable:", e, open(f).read()[-800:]); continue
+    print(f.split("/")[-1], r.pop("kernel")[:60])
+    top = r.pop("top_stalls")
+    print("   " + " ".join(f"{k}={v:.4g}" for k, v in r.items()))
+    print("   stalls/issue: " + top)
 PYEOF
       ;;
     ab-reduce)

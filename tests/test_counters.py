@@ -308,3 +308,36 @@ def test_merge_results(tmp_path):
     assert S.merge_results(into, source, tilings=["flashinfer"]) == 0
     assert into.stat().st_mtime_ns == mtime and len(S.read_results(into)[0]) == 5
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_stall_table_reads_the_shipped_ncu_pages():
+    """cpa.counters.stall_table over the H100 ncu pages of 72a477e (8 x 32k, P 4096): the
+    longest kernel of each page; every target reads the same bytes, and the readers with 8 warps
+    per program reach cuDNN's DRAM throughput where the kernel's loads alone do not."""
+    import glob
+
+    from cpa import counters as C
+
+    paths = sorted(glob.glob(str(C.SHIPPED / "experiments" / "h100-stalls-*-72a477e.csv")))
+    t = C.stall_table(paths).set_index("target")
+    t.index = t.index.str.replace("h100-stalls-", "").str.replace("_4096_8_32768-72a477e", "")
+    assert len(t) == 7
+    assert ((t.dram_read_gb - 1.074).abs() < 0.001).all() and ((t.l2_read_sectors_m - 33.57).abs() < 0.05).all()
+    sdpa = t[t.index.str.contains("sdpa")].iloc[0]
+    assert "flash_fprop" in sdpa.kernel and sdpa.grid == 256  # the flash kernel, not its reduction
+    kern, alone = t.loc["default_mfma16"], t.loc["DCPA_LOAD_ONLY_2_mfma16"]
+    assert kern.registers > 200 and kern.grid == 512 and alone.time_us < kern.time_us
+    assert kern.dram_throughput_pct < alone.dram_throughput_pct < sdpa.dram_throughput_pct
+    wide = t.loc["default_reader_paged_2x8"]
+    assert abs(wide.dram_throughput_pct - sdpa.dram_throughput_pct) < 0.2 and wide.warps_active_pct > 3 * kern.warps_active_pct
+    assert t.loc["default_reader_paged_2x4"].dram_throughput_pct < alone.dram_throughput_pct
+    assert "long_scoreboard" in kern.top_stalls
+
+
+def test_read_ncu_raw_refuses_a_page_without_time(tmp_path):
+    from cpa import counters as C
+
+    f = tmp_path / "stalls-x.csv"
+    f.write_text("==PROF== Connected\n\"ID\",\"Kernel Name\"\n\"\",\"\"\n\"0\",\"k\"\n")
+    with pytest.raises(ValueError, match="not an ncu raw page"):
+        C.read_ncu_raw(f)
