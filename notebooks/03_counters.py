@@ -250,7 +250,7 @@ with pd.option_context("display.precision", 3, "display.width", 200):
 import glob
 
 ncu = C.stall_table(sorted(glob.glob(str(C.SHIPPED / "experiments" / "h100-stalls-*-72a477e.csv"))))
-ncu["target"] = ncu.target.str.replace("h100-stalls-", "").str.replace("_4096_8_32768-72a477e", "")
+ncu["target"] = ncu.target.str.replace("h100-stalls-", "").str.replace(r"_\d+_8_32768-72a477e$", "", regex=True)
 cols = ["target", "time_us", "dram_throughput_pct", "warps_active_pct", "registers", "grid", "dram_read_gb",
         "l2_read_sectors_m"]
 with pd.option_context("display.precision", 2, "display.width", 200):
