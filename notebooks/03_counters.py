@@ -249,18 +249,22 @@ with pd.option_context("display.precision", 3, "display.width", 200):
 # %%
 import glob
 
-ncu = C.stall_table(sorted(glob.glob(str(C.SHIPPED / "experiments" / "h100-stalls-*-72a477e.csv"))))
-ncu["target"] = ncu.target.str.replace("h100-stalls-", "").str.replace(r"_\d+_8_32768-72a477e$", "", regex=True)
 cols = ["target", "time_us", "dram_throughput_pct", "warps_active_pct", "registers", "grid", "dram_read_gb",
         "l2_read_sectors_m"]
-with pd.option_context("display.precision", 2, "display.width", 200):
-    display(ncu[cols].sort_values("time_us"))
+for commit, context in (("72a477e", 32768), ("39c06c6", 131072)):  # 8 x 32k, then 8 x 128k
+    ncu = C.stall_table(sorted(glob.glob(str(C.SHIPPED / "experiments" / f"h100-stalls-*-{commit}.csv"))))
+    ncu["target"] = ncu.target.str.replace("h100-stalls-", "").str.replace(rf"_\d+_8_{context}-{commit}$", "",
+                                                                            regex=True)
+    display(Markdown(f"8 x {context // 1024}k, P 4096 (commit {commit}):"))
+    with pd.option_context("display.precision", 2, "display.width", 200):
+        display(ncu[cols].sort_values("time_us"))
 
 # %% [markdown]
-# Every one moves the same bytes (1.074 GB from DRAM, 33.6 M L2 sectors), and time follows the
-# DRAM throughput. The readers reach cuDNN's ~94% with twice the kernel's warps per SM -- 8 warps
+# Every one moves the same bytes (1.074 GB from DRAM at 8 x 32k, 4.30 GB at 8 x 128k), and time
+# follows the DRAM throughput. The readers reach cuDNN's ~94% with twice the kernel's warps per SM -- 8 warps
 # per program, or the kernel's 16 KB per warp with 16 warps per SM -- while a reader with 4
 # warps per program sits where the kernel's loads do (92.4-92.9%). cuDNN gets there with the
 # kernel's 8 warps per SM by staging K and V through shared memory with cp.async. For this
 # kernel, more warps means fewer registers per warp; those forms were measured (notes,
-# "Thirteenth session") and did not pay.
+# "Thirteenth session") and did not pay. At 8 x 128k the reader's own shape moves it by 4%
+# (4 against 8 warps per program): more than the kernel's whole gap to the best reader.

@@ -341,3 +341,19 @@ def test_read_ncu_raw_refuses_a_page_without_time(tmp_path):
     f.write_text("==PROF== Connected\n\"ID\",\"Kernel Name\"\n\"\",\"\"\n\"0\",\"k\"\n")
     with pytest.raises(ValueError, match="not an ncu raw page"):
         C.read_ncu_raw(f)
+
+
+def test_stall_table_at_8x128k_reader_shape_matters():
+    """The 8 x 128k pages of 39c06c6: the same DRAM bytes everywhere; a paged reader with 8
+    warps per program is faster than the kernel and one with 4 slower, cuDNN fastest."""
+    import glob
+
+    from cpa import counters as C
+
+    t = C.stall_table(sorted(glob.glob(str(C.SHIPPED / "experiments" / "h100-stalls-*-39c06c6.csv"))))
+    t = t.set_index(t.target.str.replace(r"^h100-stalls-|_\d+_8_131072-39c06c6$", "", regex=True))
+    assert len(t) == 5 and ((t.dram_read_gb - 4.296).abs() < 0.002).all()
+    kern = t.loc["default_mfma16"]
+    assert t.loc["default_reader_paged_4x8"].time_us < kern.time_us < t.loc["default_reader_paged_4x4"].time_us
+    assert t.loc["default_sdpa_cudnn"].time_us == t.time_us.min()
+    assert abs(t.loc["DCPA_LOAD_ONLY_2_mfma16"].time_us / kern.time_us - 1) < 0.005
