@@ -402,7 +402,7 @@ PYEOF
 done
 # The device tool brings back at most 8 files per call: past that, the result files of this
 # invocation go into one $OUT/results-<commit>-<time>.tgz (earlier invocations' archives of the
-# same call are left alone; unpack each into the checkout's root before use).
+# same call are left alone; unpack each and file its results as those of $OUT).
 n=$(find "$OUT" -type f | wc -l)
 if [ "$n" -gt 8 ]; then
   tgz="results-${CPA_GIT_COMMIT:0:7}-$(date -u +%H%M%S).tgz"
