@@ -508,6 +508,9 @@ def read_patterns(
                                 "at the same shape in the same run (fp16 cache only)."),
     load_only: Optional[str] = typer.Option(None, help="comma-separated -DCPA_LOAD_ONLY levels (1, 2) to time "
                                             "too: the kernel's loads alone, no math (with --kernel)."),
+    reader_shapes: Optional[str] = typer.Option(None, help="comma-separated reader shapes <blocks per "
+                                                "iteration>x<warps>, e.g. 2x8,16x8 (default: 1-16 blocks at 4 "
+                                                "and 8 warps)."),
 ) -> None:
     """Read a decode step's K/V bytes with a plain streaming reader in the contiguous layout,
     the paged layout one KV head per program, and the paged layout whole physical blocks per
@@ -518,9 +521,10 @@ def read_patterns(
     from . import readpattern as RP
 
     try:
+        configs = tuple(RP.parse_reader_shape(x) for x in _strs(reader_shapes) or []) or RP.READER_CONFIGS
         df, ceil = RP.run(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=tuple(_ints(partition_sizes)),
                           patterns=tuple(_strs(patterns) or RP.PATTERNS), block_order=block_order, kernel_rows=kernel,
-                          kv_cache_dtype=kv_cache_dtype, load_only=tuple(_ints(load_only) or ()))
+                          kv_cache_dtype=kv_cache_dtype, load_only=tuple(_ints(load_only) or ()), configs=configs)
     except ValueError as e:  # pattern, shape or block order refused before any GPU work
         raise typer.BadParameter(str(e)) from None
     B.write_csv_atomic(df, out)

@@ -122,14 +122,17 @@ def reader_target(tiling: str) -> tuple[str, int, int] | None:
     Refused before any GPU work when malformed."""
     if not tiling.startswith("reader-"):
         return None
-    from .readpattern import PATTERNS
+    from .readpattern import PATTERNS, parse_reader_shape
 
     pattern, _, shape = tiling[len("reader-"):].rpartition("-")
-    nb, _, warps = shape.partition("x")
-    if pattern not in PATTERNS or not nb.isdigit() or not warps.isdigit() or int(nb) < 1 or int(warps) not in (1, 2, 4, 8, 16):
+    try:
+        if pattern not in PATTERNS:
+            raise ValueError(f"unknown pattern {pattern!r}")
+        nb, warps, _ = parse_reader_shape(shape)
+    except ValueError as e:
         raise ValueError(f"profile target {tiling!r}: expected reader-<{'|'.join(PATTERNS)}>-<blocks>x<warps>, "
-                         "e.g. reader-paged-2x8")
-    return pattern, int(nb), int(warps)
+                         f"e.g. reader-paged-2x8 ({e})") from None
+    return pattern, nb, warps
 
 
 def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int = 8, context: int = 32768) -> None:

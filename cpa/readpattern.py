@@ -35,6 +35,17 @@ PATTERNS = ("contiguous", "paged", "paged_all_heads")
 # these loads itself (the same cubin at 1 and 3 stages, Triton 3.9 for sm_90), hence the blocks.
 READER_CONFIGS = tuple(itertools.product((1, 2, 4, 8, 16), (4, 8), (1,)))
 MAX_WORDS_PER_THREAD = 64  # reader shapes whose accumulator tile is larger are skipped (registers)
+READER_WARPS = (1, 2, 4, 8, 16)
+
+
+def parse_reader_shape(text: str) -> tuple[int, int, int]:
+    """``"<blocks per iteration>x<warps>"`` (e.g. ``"2x8"``) -> a reader config (blocks, warps,
+    1 stage) as in :data:`READER_CONFIGS`; anything else raises ValueError."""
+    nb, _, warps = str(text).strip().partition("x")
+    if not (nb.isdigit() and warps.isdigit() and int(nb) >= 1 and int(warps) in READER_WARPS):
+        raise ValueError(f"reader shape {text!r}: expected <blocks per iteration>x<warps>, e.g. 2x8 "
+                         f"(warps one of {READER_WARPS})")
+    return int(nb), int(warps), 1
 
 
 def plan(pattern: str, *, num_seqs: int, seq_len: int, num_kv_heads: int, head_size: int, block_size: int,

@@ -62,6 +62,23 @@ def test_cli_refuses_a_load_only_level_before_any_gpu_work(tmp_path):
     assert res.exit_code == 2 and "load_only" in res.output and not out.exists(), res.output
 
 
+def test_reader_shapes_parse_or_refuse(tmp_path):
+    """--reader-shapes "2x8,16x8" -> reader configs; a malformed one is refused before any GPU
+    work, by the function and by the command."""
+    from typer.testing import CliRunner
+
+    from cpa.cli import app
+
+    assert RP.parse_reader_shape("2x8") == (2, 8, 1) and RP.parse_reader_shape(" 16x4 ") == (16, 4, 1)
+    assert all(RP.parse_reader_shape(f"{nb}x{w}") == (nb, w, st) for nb, w, st in RP.READER_CONFIGS)
+    for bad in ("2", "2x3", "0x8", "x8", "2x8x1", "ax8"):
+        with pytest.raises(ValueError, match="reader shape"):
+            RP.parse_reader_shape(bad)
+    out = tmp_path / "rp.csv"
+    res = CliRunner().invoke(app, ["read-patterns", "--reader-shapes", "2x8,2x3", "--out", str(out)])
+    assert res.exit_code == 2 and "reader shape '2x3'" in res.output and not out.exists(), res.output
+
+
 def test_checksum_wraps_like_int32():
     import torch
 
