@@ -376,7 +376,8 @@ PYEOF
       # kernel and SDPA: CPA_RP_SHAPES="8x131072:4096,8192 1x131072:1024,4096" (batch x context:
       # partition sizes), each in CPA_RP_ORDERS (shuffled, sequential) -> $OUT/<gpu>-read-patterns-
       # <batch>x<context>-<order>-<commit>.csv; CPA_RP_TIMEOUT per run; CPA_RP_EXTRA more options,
-      # e.g. "--load-only 1,2" (the kernel's loads alone beside the readers)
+      # e.g. "--load-only 1,2" (the kernel's loads alone beside the readers) or "--reader-shapes
+      # 2x8,16x8" (only those reader shapes: a shorter run)
       rp_shapes ""
       ;;
     readpattern-arms)
