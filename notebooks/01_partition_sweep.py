@@ -141,7 +141,10 @@ display(B.summary_table(t2)[["batch", "context", "best", "best_us", "best_bw", "
 # where partitioning pays, and the kernel's is about a microsecond lower than SDPA's. The rate
 # is where it does not: cuDNN streams its contiguous K/V about 2.7% faster, so the two lines
 # cross at a few tens of thousands of tokens in the batch. Past that, no partition size or
-# combine helps; only a faster main loop (or a faster layout) would.
+# combine helps; only a faster main loop (or a faster layout) would. How far the paged layout
+# lets any reader go, and where the kernel's own rate goes (its loads, its math, too few warps
+# per SM to keep the DRAM as busy as cuDNN does), is measured in notebook 03 -- on an H100 so
+# far.
 
 # %%
 fit = B.streaming_fit(t2)  # the shapes with >= 128k tokens in the batch
