@@ -64,7 +64,7 @@ def measure(nbytes: int = 4 << 30, replays: int = 20, configs=READ_CONFIGS) -> d
         read = time_graph([lambda: x.sum(dtype=torch.float32)], replays=replays, use_graph=False)
         best = (nbytes / (read.median_us * 1e-6) / 1e9, f"torch.sum ({'; '.join(errors)})")
     res.update(read_gbps=best[0], read_method=best[1], read_gbps_by_shape=by_shape)
-    del x, y
+    x = y = None  # (free the 8 GB before empty_cache; the timing closures hold these cells)
     torch.cuda.empty_cache()
     return res
 
