@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -155,11 +156,8 @@ def profile_one(tiling: str = "mfma16", partition_size: int = 1024, batch: int =
         sets = RP.make_byte_sets(batch, context, **shape)[pattern]
         readers = [RP.Reader(pattern, t, num_seqs=batch, seq_len=context, partition_size=partition_size,
                              blocks_per_iter=nb, num_warps=warps, **shape) for t in sets]
-        turn = iter(range(1 << 30))
-
-        def launch():  # the sets in turn, as the timed runs rotate them (no L2 reuse between launches)
-            readers[next(turn) % len(readers)]()
-        launch_and_profile(launch)
+        turn = itertools.cycle(readers)  # the sets in turn, as the timed runs rotate them (no L2 reuse)
+        launch_and_profile(lambda: next(turn)())
         return
     sets = make_sets(batch, context, dtype=torch.float16, **LLAMA70B)
     if tiling == "sdpa_cudnn":  # the peer on contiguous K/V, as `cpa bench` runs it
