@@ -68,6 +68,15 @@ h200_only() {
   echo "h200.sh: step $1 skipped: '$GPU_NAME' is not an H200 (CPA_ALLOW_OTHER_GPU=1 runs it anyway)"
   return 1
 }
+# prebuild_bg FLAGS LABEL JOBS ARGS...: `cpa prebuild --grid bench ARGS` of the build FLAGS
+# (CPA_NVCC_FLAGS) in the background, JOBS compilers, its summary line prefixed with LABEL; the
+# caller waits for all of them
+prebuild_bg() {
+  local flags="$1" label="$2" jobs="$3"
+  shift 3
+  CPA_NVCC_FLAGS="$flags" $PY -m cpa prebuild --grid bench "$@" --jobs "$jobs" 2>&1 | grep "prebuild:" \
+    | sed "s/^/$label /" &
+}
 # rp_shapes TAG: `cpa read-patterns` at each shape of CPA_RP_SHAPES in each order of
 # CPA_RP_ORDERS, the build of the caller's CPA_NVCC_FLAGS (recorded in the command), files
 # $OUT/<gpu>-read-patterns-<shape>-<order>-<commit>TAG.csv
@@ -251,10 +260,7 @@ PYEOF
       # (e.g. "--tilings mfma16 --partition-sizes 1024,2048" to match CPA_AB_ARGS)
       # every arm's prebuild at once first (4 jobs per arm: one arm at a time leaves most of the
       # host's cores idle); each arm's bench then loads its variants from the cache
-      arm_prebuild() {
-        CPA_NVCC_FLAGS="$1" $PY -m cpa prebuild --grid bench ${CPA_ARM_PREBUILD_ARGS:-} --jobs 4 2>&1 \
-          | grep "prebuild:" | sed "s/^/arm $2 /" &
-      }
+      arm_prebuild() { prebuild_bg "$1" "arm $2" 4 ${CPA_ARM_PREBUILD_ARGS:-}; }
       t0=$SECONDS; for_each_arm arm_prebuild; wait; echo "all arms prebuilt in $((SECONDS - t0)) s"
       arm_bench() {
         # (no default_path rows unless CPA_AB_ARGS asks: the launcher's pick may be a variant the
@@ -390,8 +396,8 @@ PYEOF
       rp_prebuild() {
         local lvl lo=${CPA_RP_LOAD_ONLY:-}
         for lvl in "" ${lo//,/ }; do
-          CPA_NVCC_FLAGS="$1${lvl:+ -DCPA_LOAD_ONLY=$lvl}" $PY -m cpa prebuild --grid bench --tilings mfma16 \
-            --partition-sizes "$parts" --jobs 3 2>&1 | grep "prebuild:" | sed "s/^/arm $2${lvl:+ load-only $lvl} /" &
+          prebuild_bg "$1${lvl:+ -DCPA_LOAD_ONLY=$lvl}" "arm $2${lvl:+ load-only $lvl}" 3 --tilings mfma16 \
+            --partition-sizes "$parts"
         done
       }
       t0=$SECONDS; for_each_arm rp_prebuild; wait; echo "all arms prebuilt in $((SECONDS - t0)) s"
