@@ -31,3 +31,22 @@ def pytest_sessionfinish(session, exitstatus):
         for r in _rows:
             w.writerow({**r, **prov})
     os.replace(tmp, path)
+
+
+def summary(path) -> "pandas.DataFrame":
+    """One row per recorded run of a verification CSV (a run = one git commit and command, in
+    file order): device, first timestamp, tests recorded and their outcomes. What
+    data/verification/README.md tabulates. (A module-level skip is not a test report, so it
+    is not counted here; pytest's own summary line counts it.)"""
+    import pandas as pd
+
+    d = pd.read_csv(path)
+    d["run"] = d["git_commit"].str[:7] + " " + d["command"]
+    g = d.groupby("run", sort=False)
+    out = g.agg(git_commit=("git_commit", "first"), device_name=("device_name", "first"),
+                timestamp=("timestamp", "min"), tests=("test", "size"),
+                passed=("outcome", lambda s: int((s == "passed").sum())),
+                skipped=("outcome", lambda s: int((s == "skipped").sum())),
+                failed=("outcome", lambda s: int((~s.isin(["passed", "skipped"])).sum())),
+                command=("command", "first"))
+    return out.reset_index(drop=True)
