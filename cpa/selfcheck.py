@@ -1,20 +1,71 @@
 """A small, fast kernel-vs-reference check, meant to run under compute-sanitizer:
 
     compute-sanitizer --tool memcheck python -m cpa.selfcheck --small
+
+and the record of such a run (``--record-sanitizer TOOL RC LOG CSV``, outside the sanitizer:
+one row with the cases, the sanitizer's summary and the provenance, appended to CSV).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import os
+import re
 import sys
+from pathlib import Path
 
 import torch
+
+
+SANITIZER_FIELDS = ("tool", "exit_code", "cases_passed", "cases_failed", "sanitizer_errors", "sanitizer_summary")
+
+
+def sanitizer_record(tool: str, exit_code: int, log: str) -> dict:
+    """What one `compute-sanitizer --tool TOOL python -m cpa.selfcheck` run printed: the cases
+    (the "N passed, M failed" line) and the sanitizer's summary line with its error (memcheck)
+    or hazard (racecheck) count. A log without either line (a crash, a timeout) records -1 there,
+    never a clean run."""
+    cases = re.findall(r"^(\d+) passed, (\d+) failed$", log, re.M)
+    summary = re.findall(r"^=+ ((?:ERROR|RACECHECK|INITCHECK|SYNCCHECK) SUMMARY: .*)$", log, re.M)
+    errors = -1
+    if summary:
+        m = re.search(r"SUMMARY: (\d+) (?:errors?|hazards?)", summary[-1])
+        errors = int(m[1]) if m else -1
+    return dict(tool=tool, exit_code=int(exit_code), cases_passed=int(cases[-1][0]) if cases else -1,
+                cases_failed=int(cases[-1][1]) if cases else -1, sanitizer_errors=errors,
+                sanitizer_summary=summary[-1] if summary else "")
+
+
+def append_row(path, row: dict) -> None:
+    """Append one row to a CSV (header first if the file is new), through a rewrite and an atomic
+    replace, so that an interrupted write leaves the earlier rows whole."""
+    path = Path(path)
+    old = path.read_text() if path.exists() else ""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(old)
+        w = csv.DictWriter(f, fieldnames=list(row))
+        if not old:
+            w.writeheader()
+        w.writerow(row)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="the sanitizer subset (few variants, short contexts)")
+    ap.add_argument("--record-sanitizer", nargs=4, metavar=("TOOL", "RC", "LOG", "CSV"),
+                    help="append the record of a sanitizer run of this check (its exit code and log) to CSV")
     args = ap.parse_args(argv)
+    if args.record_sanitizer:
+        from .provenance import provenance
+
+        tool, rc, log, out = args.record_sanitizer
+        row = {**sanitizer_record(tool, int(rc), Path(log).read_text(errors="replace")), **provenance()}
+        append_row(out, row)
+        print(", ".join(f"{k}={row[k]}" for k in SANITIZER_FIELDS))
+        return 0
     import cpa
     from cpa import ops, reference
     from cpa.inputs import make_paged_inputs

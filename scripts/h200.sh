@@ -132,9 +132,14 @@ for step in "$@"; do
         --tb=short ${CPA_PYTEST_ARGS:-} 2>&1 | tail -60
       ;;
     sanitize)
+      # each run's cases and summary line, with provenance, into $OUT/<gpu>-sanitizer.csv
+      # (appended to data/verification/ after the call)
       for tool in memcheck racecheck; do
-        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m cpa.selfcheck --small 2>&1 | tail -8
-        echo "compute-sanitizer $tool rc=${PIPESTATUS[0]}"
+        cmd="compute-sanitizer --tool $tool --error-exitcode 9 python3 -m cpa.selfcheck --small"
+        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m cpa.selfcheck --small > /tmp/sanitize-$tool.log 2>&1
+        rc=$?; tail -8 /tmp/sanitize-$tool.log; echo "compute-sanitizer $tool rc=$rc"
+        CPA_COMMAND="$cmd" $PY -m cpa.selfcheck --record-sanitizer $tool $rc /tmp/sanitize-$tool.log \
+          "$OUT/$GPU_TAG-sanitizer.csv"
       done
       ;;
     profile)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from cpa.selfcheck import SANITIZER_FIELDS
 from cpa.testing import summary
 
 VERIFY = Path(__file__).resolve().parents[1] / "data" / "verification"
@@ -62,3 +63,20 @@ def test_summary_counts_a_failure(tmp_path):
     pd.DataFrame(rows).to_csv(p, index=False)
     s = summary(p)
     assert s[["tests", "passed", "skipped", "failed"]].values.tolist() == [[2, 1, 0, 1], [1, 1, 0, 0]]
+
+
+@pytest.mark.parametrize("card", ["h100", "h200"])
+def test_sanitizer_records(card):
+    """<card>-sanitizer.csv (cpa.selfcheck --record-sanitizer, from `scripts/h200.sh sanitize`):
+    one card per file, provenance on every row, and a zero exit code exactly where no case failed
+    and the sanitizer counted nothing."""
+    path = VERIFY / f"{card}-sanitizer.csv"
+    if not path.exists():
+        pytest.skip(f"no {path.name} shipped")
+    d = pd.read_csv(path)
+    assert list(d.columns) == [*SANITIZER_FIELDS, *PROVENANCE]
+    assert not d[list(PROVENANCE)].isna().any().any()
+    assert d["device_name"].str.contains(card.upper()).all()
+    assert d["tool"].isin(["memcheck", "racecheck", "initcheck", "synccheck"]).all()
+    clean = (d["cases_failed"] == 0) & (d["sanitizer_errors"] == 0) & (d["cases_passed"] > 0)
+    assert ((d["exit_code"] == 0) == clean).all()
