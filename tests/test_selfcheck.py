@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 
-from cpa import selfcheck
+import pytest
+
+from cpa import provenance, selfcheck
 
 CASES = "ok   mfma16  p256   fp16 kvauto  gqa8   shared     rel_err 2.69e-04\n22 passed, 0 failed\n"
 MEMCHECK = "========= COMPUTE-SANITIZER\n" + CASES + "========= ERROR SUMMARY: 0 errors\n"
@@ -32,7 +34,15 @@ def test_a_crash_is_never_a_clean_run():
     assert (r["cases_passed"], r["cases_failed"], r["sanitizer_errors"], r["sanitizer_summary"]) == (-1, -1, -1, "")
 
 
-def test_record_cli_appends_rows_with_provenance(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_commit():
+    """provenance.git_commit is cached per process: clear it around a test that sets CPA_GIT_COMMIT."""
+    provenance.git_commit.cache_clear()
+    yield
+    provenance.git_commit.cache_clear()
+
+
+def test_record_cli_appends_rows_with_provenance(tmp_path, monkeypatch, fresh_commit):
     monkeypatch.setenv("CPA_GIT_COMMIT", "a" * 40)
     monkeypatch.setenv("CPA_COMMAND", "compute-sanitizer --tool memcheck python3 -m cpa.selfcheck --small")
     (tmp_path / "m.log").write_text(MEMCHECK)
