@@ -217,7 +217,8 @@ def test_layout_cost_compares_within_a_run():
 
 def test_shipped_runs_load_with_their_provenance():
     df = RP.load_shipped()
-    assert df.run.nunique() >= 1 and set(df.kind) <= {"reader", "kernel"}
+    # (load_only: the kernel's loads alone, `--load-only`, in the runs that time them)
+    assert df.run.nunique() >= 1 and set(df.kind) <= {"reader", "kernel", "load_only"}
     readers = df[df.kind == "reader"]
     assert readers.verified.all(), "a shipped reader row whose checksum failed"
     assert (df.device_name == "NVIDIA H200").all() and df.git_commit.notna().all() and df.command.notna().all()
