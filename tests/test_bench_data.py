@@ -296,3 +296,26 @@ def test_target2_official_count_at_b81e29d():
     assert 0.971 < ratio[list(behind)].min() and ratio[list(behind)].max() < 0.992
     dp = B.default_path(d)
     assert len(dp) == 20 and B.geomean(dp.slowdown) < 1.01 and dp.slowdown.max() < 1.02
+
+
+def test_h100_bench_table_at_8f64c88():
+    """data/bench/experiments/h100-kernel-8f64c88.csv, `cpa bench` at today's head on an H100:
+    the whole grid verified with a default_path row per shape and SDPA, and what the README and
+    notes quote -- the best launch against SDPA at the four target shapes (8 x 32k 0.996x, with
+    shared steps; 0.987x with fixed partitions) and the default launch 1.020x the per-shape best."""
+    d = pd.read_csv(CSV.parent / "experiments" / "h100-kernel-8f64c88.csv")
+    assert (d.device_name == "NVIDIA H100 80GB HBM3").all() and d.git_commit.str.startswith("8f64c88").all()
+    assert len(d) == 1040 and d.verified.all()
+    k = d[d.tiling != "sdpa_cudnn"]
+    assert set(zip(k.num_seqs, k.max_seq_len)) == {(b, c) for b in B.BATCHES for c in B.CONTEXTS}
+    assert k.groupby(["num_seqs", "max_seq_len"]).default_path.sum().eq(1).all()
+    named = B._kernel_rows(d)[0]
+    sdpa = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    ratio = (sdpa / named.groupby(["num_seqs", "max_seq_len"]).time_us.min()).round(3)
+    assert [ratio[s] for s in ((1, 8192), (1, 32768), (8, 8192), (8, 32768))] == [1.089, 1.036, 1.020, 0.996]
+    at = named[(named.num_seqs == 8) & (named.max_seq_len == 32768)]
+    assert bool(at.loc[at.time_us.idxmin()].shared_steps)
+    fixed = at[~at.shared_steps.fillna(False).astype(bool)].time_us.min()
+    assert round(sdpa[(8, 32768)] / fixed, 3) == 0.987
+    dp = B.default_path(d)
+    assert len(dp) == 16 and round(B.geomean(dp.slowdown), 3) == 1.020 and round(dp.slowdown.max(), 3) == 1.076
