@@ -9,8 +9,6 @@ one row with the cases, the sanitizer's summary and the provenance, appended to 
 from __future__ import annotations
 
 import argparse
-import csv
-import os
 import re
 import sys
 from pathlib import Path
@@ -37,21 +35,6 @@ def sanitizer_record(tool: str, exit_code: int, log: str) -> dict:
                 sanitizer_summary=summary[-1] if summary else "")
 
 
-def append_row(path, row: dict) -> None:
-    """Append one row to a CSV (header first if the file is new), through a rewrite and an atomic
-    replace, so that an interrupted write leaves the earlier rows whole."""
-    path = Path(path)
-    old = path.read_text() if path.exists() else ""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        f.write(old)
-        w = csv.DictWriter(f, fieldnames=list(row))
-        if not old:
-            w.writeheader()
-        w.writerow(row)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="the sanitizer subset (few variants, short contexts)")
@@ -61,9 +44,14 @@ def main(argv=None) -> int:
     if args.record_sanitizer:
         from .provenance import provenance
 
+        import pandas as pd
+
+        from .bench import write_csv_atomic
+
         tool, rc, log, out = args.record_sanitizer
         row = {**sanitizer_record(tool, int(rc), Path(log).read_text(errors="replace")), **provenance()}
-        append_row(out, row)
+        earlier = [pd.read_csv(out)] if Path(out).exists() else []  # appended: the file is rewritten whole
+        write_csv_atomic(pd.concat([*earlier, pd.DataFrame([row])], ignore_index=True), out)
         print(", ".join(f"{k}={row[k]}" for k in SANITIZER_FIELDS))
         return 0
     import cpa

@@ -135,8 +135,8 @@ for step in "$@"; do
       # each run's cases and summary line, with provenance, into $OUT/<gpu>-sanitizer.csv
       # (appended to data/verification/ after the call)
       for tool in memcheck racecheck; do
-        cmd="compute-sanitizer --tool $tool --error-exitcode 9 python3 -m cpa.selfcheck --small"
-        timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $PY -m cpa.selfcheck --small > /tmp/sanitize-$tool.log 2>&1
+        cmd="compute-sanitizer --tool $tool --error-exitcode 9 $PY -m cpa.selfcheck --small"
+        timeout 240 $cmd > /tmp/sanitize-$tool.log 2>&1
         rc=$?; tail -8 /tmp/sanitize-$tool.log; echo "compute-sanitizer $tool rc=$rc"
         CPA_COMMAND="$cmd" $PY -m cpa.selfcheck --record-sanitizer $tool $rc /tmp/sanitize-$tool.log \
           "$OUT/$GPU_TAG-sanitizer.csv"
