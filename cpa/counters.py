@@ -247,7 +247,14 @@ def read_ncu_raw(path) -> dict:
 
 
 def stall_table(paths):
-    """One row per ncu raw page (:func:`read_ncu_raw`), ``target`` = the file's stem."""
+    """One row per ncu raw page (:func:`read_ncu_raw`), ``target`` = the file's stem and ``label``
+    the build and target it names: `scripts/h200.sh stalls` writes
+    ``<gpu>-stalls-<build>_<target>_<P>_<batch>_<context>-<commit>.csv``, and the label drops the
+    card, the shape and the commit (``default_mfma16``, ``DCPA_LOAD_ONLY_2_mfma16``,
+    ``default_reader_paged_2x8``, ...)."""
     import pandas as pd
 
-    return pd.DataFrame([dict(target=Path(p).stem, **read_ncu_raw(p)) for p in paths])
+    t = pd.DataFrame([dict(target=Path(p).stem, **read_ncu_raw(p)) for p in paths])
+    if len(t):
+        t.insert(1, "label", t.target.str.replace(r"^h\d00-stalls-|_\d+_\d+_\d+-[0-9a-f]+$", "", regex=True))
+    return t

@@ -252,12 +252,10 @@ with pd.option_context("display.precision", 3, "display.width", 200):
 # %%
 import glob
 
-cols = ["target", "time_us", "dram_throughput_pct", "warps_active_pct", "registers", "grid", "dram_read_gb",
+cols = ["label", "time_us", "dram_throughput_pct", "warps_active_pct", "registers", "grid", "dram_read_gb",
         "l2_read_sectors_m"]
 for commit, context in (("72a477e", 32768), ("39c06c6", 131072)):  # 8 x 32k, then 8 x 128k
     ncu = C.stall_table(sorted(glob.glob(str(C.SHIPPED / "experiments" / f"h100-stalls-*-{commit}.csv"))))
-    ncu["target"] = ncu.target.str.replace("h100-stalls-", "").str.replace(rf"_\d+_8_{context}-{commit}$", "",
-                                                                            regex=True)
     display(Markdown(f"8 x {context // 1024}k, P 4096 (commit {commit}):"))
     with pd.option_context("display.precision", 2, "display.width", 200):
         display(ncu[cols].sort_values("time_us"))
