@@ -26,6 +26,12 @@ EXPERIMENTS = BENCH_DATA / "experiments"  # the A/Bs and earlier runs behind the
 TARGET2_CSV = BENCH_DATA / "h200-target2.csv"
 
 
+def kv_read_bytes(num_seqs, seq_len, num_kv_heads, head_size, elem_bytes):
+    """Bytes of K and V a decode step reads once: what every bandwidth figure here divides by
+    (the bench, the readers, their fits). Works on ints and on pandas columns alike."""
+    return 2 * num_seqs * seq_len * num_kv_heads * head_size * elem_bytes
+
+
 @dataclass
 class DeviceSets:
     """Input sets for one shape on the GPU: one KV pool, disjoint block tables per set."""
@@ -87,7 +93,7 @@ def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_si
     bts = block_tables(pool, num_seqs, bps, n_sets, block_order, g)
     qs = [torch.randn(num_seqs, num_heads, head_size, device="cuda", dtype=dtype, generator=g) for _ in range(n_sets)]
     seq_lens = torch.full((num_seqs,), seq_len, device="cuda", dtype=torch.int32)
-    kv_bytes = 2 * num_seqs * seq_len * num_kv_heads * head_size * elem
+    kv_bytes = kv_read_bytes(num_seqs, seq_len, num_kv_heads, head_size, elem)
     return DeviceSets(kc, vc, qs, bts, seq_lens, 1.0 / math.sqrt(head_size), kv_bytes)
 
 

@@ -29,6 +29,8 @@ import itertools
 import math
 from pathlib import Path
 
+from .bench import kv_read_bytes
+
 PATTERNS = ("contiguous", "paged", "paged_all_heads")
 # reader shapes tried per pattern: (physical blocks per loop iteration, warps, pipeline stages).
 # Bytes in flight per program are blocks x the run x 2 (K and V); Triton does not pipeline
@@ -79,7 +81,7 @@ def plan(pattern: str, *, num_seqs: int, seq_len: int, num_kv_heads: int, head_s
                 blocks_per_program=tokens // block_size, partitions=seq_len // tokens,
                 grid=(num_seqs, seq_len // tokens, num_kv_heads // heads_per_program),
                 words_per_run=run_bytes * heads_per_program // 4,
-                bytes=2 * num_seqs * seq_len * num_kv_heads * head_size * elem_bytes)
+                bytes=kv_read_bytes(num_seqs, seq_len, num_kv_heads, head_size, elem_bytes))
 
 
 def _kernel():
@@ -457,7 +459,7 @@ def against_sdpa_lines(table, block_order: str = "shuffled", kv_cache_dtype: str
     t = table[table.block_order == block_order] if "block_order" in table else table
     t = t[t.kv_cache_dtype == kv_cache_dtype] if "kv_cache_dtype" in t else t
     elem = KV_BYTES[kv_cache_dtype]
-    kv = 2 * B.LLAMA70B["num_kv_heads"] * B.LLAMA70B["head_size"] * elem * t.num_seqs * t.max_seq_len
+    kv = B.kv_read_bytes(t.num_seqs, t.max_seq_len, B.LLAMA70B["num_kv_heads"], B.LLAMA70B["head_size"], elem)
     rows = []
     for arm in ("contiguous_reader", "paged_reader", "kernel", "load_only", "sdpa"):
         col = f"{arm}_us"
