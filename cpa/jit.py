@@ -36,17 +36,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cpa" / "kernels"
 
 
-_arch_by_index: dict[int, tuple[str, str]] = {}
+_info_by_index: dict[int, tuple[str, str, int]] = {}
 
 
-def device_arch(device=None) -> tuple[str, str]:
-    """(platform, arch) of a torch device: ('cuda', 'sm_90') or ('hip', 'gfx942')."""
+def device_info(device=None) -> tuple[str, str, int]:
+    """(platform, arch, compute units) of a torch device: ('cuda', 'sm_90', 132) or
+    ('hip', 'gfx942', 304)."""
     import torch
 
     # the eager launch path asks per call: kept per device index (the properties query and
     # is_available cost ~20 us of host time per call, cpa host-profile)
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index in _arch_by_index:
-        return _arch_by_index[device.index]
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index in _info_by_index:
+        return _info_by_index[device.index]
     if not torch.cuda.is_available():
         raise RuntimeError("no GPU is visible to torch (torch.cuda.is_available() is False)")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -54,11 +55,16 @@ def device_arch(device=None) -> tuple[str, str]:
         raise ValueError(f"device={dev} is not a GPU device")
     props = torch.cuda.get_device_properties(dev)
     if getattr(torch.version, "hip", None):
-        found = "hip", props.gcnArchName.split(":")[0]
+        found = "hip", props.gcnArchName.split(":")[0], props.multi_processor_count
     else:
-        found = "cuda", f"sm_{props.major}{props.minor}"
-    _arch_by_index[dev.index if dev.index is not None else torch.cuda.current_device()] = found
+        found = "cuda", f"sm_{props.major}{props.minor}", props.multi_processor_count
+    _info_by_index[dev.index if dev.index is not None else torch.cuda.current_device()] = found
     return found
+
+
+def device_arch(device=None) -> tuple[str, str]:
+    """(platform, arch) of a torch device: ('cuda', 'sm_90') or ('hip', 'gfx942')."""
+    return device_info(device)[:2]
 
 
 @lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import variants as V
-from .jit import BuiltKernel, build, device_arch, extra_flags, staged_loops_flagged
+from .jit import BuiltKernel, build, device_arch, device_info, extra_flags, staged_loops_flagged
 from .validation import PagedAttentionShape, validate_paged_attention_args
 
 LOG2E = 1.4426950408889634
@@ -259,17 +259,8 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     return launch
 
 
-_sms_by_device: dict[torch.device, int] = {}
-
-
 def _num_sms(device) -> int:
-    # kept per device: the properties query costs ~8 us per call of the eager path
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    if device not in _sms_by_device:
-        _sms_by_device[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sms_by_device[device]
+    return device_info(torch.device(device))[2]  # (cached per device: ~8 us per eager call)
 
 
 # The fused reduce's counters for launches that are made and run at once (paged_attention): one

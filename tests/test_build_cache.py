@@ -104,15 +104,17 @@ def test_device_arch_is_asked_once_per_device(monkeypatch):
     import cpa.jit as b
 
     asked = []
-    monkeypatch.setattr(b, "_arch_by_index", {})
+    monkeypatch.setattr(b, "_info_by_index", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda dev: asked.append(dev) or types.SimpleNamespace(major=9, minor=0, gcnArchName=""))
+                        lambda dev: asked.append(dev) or types.SimpleNamespace(major=9, minor=0, gcnArchName="",
+                                                                            multi_processor_count=132))
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     assert b.device_arch(torch.device("cuda", 1)) == ("cuda", "sm_90")
     assert b.device_arch(torch.device("cuda", 1)) == ("cuda", "sm_90")
     assert len(asked) == 1
     assert b.device_arch(torch.device("cuda", 0)) == ("cuda", "sm_90") and len(asked) == 2
+    assert b.device_info(torch.device("cuda", 0)) == ("cuda", "sm_90", 132) and len(asked) == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with __import__("pytest").raises(RuntimeError, match="no GPU"):
         b.device_arch(torch.device("cuda", 2))  # (an unknown device is still asked)
