@@ -10,7 +10,6 @@ machine, ``CPA_DATA=live`` refuses to fall back.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -147,11 +146,6 @@ def kernel_trees() -> dict[str, str]:
     if not KERNEL_SOURCES.exists():
         return {}
     return {c[:7]: t for c, t in json.loads(KERNEL_SOURCES.read_text())["cpa/csrc"].items()}
-
-
-def shipped_ceilings() -> dict:
-    p = SHIPPED / "h200-ceilings.json"
-    return json.loads(p.read_text()) if p.exists() else {"runs": []}
 
 
 # ---------------------------------------------------------------------------- derived tables
