@@ -880,7 +880,6 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
 
 #pragma unroll
   for (int lh = 0; lh < LH; ++lh) l[lh] = Tl::reduce_sum(l[lh]);
-  Tl::finalize_o(o);
 
   // Combine the waves pairwise through shared memory, in (head, dim) coordinates.
   barrier();  // the tiling's own shared memory is free from here on

@@ -17,7 +17,6 @@
 //   lhead(lh)         query head (within the group) of local head lh of this lane
 //   o_coord(e, h, d)  query head and dimension of output element e
 //   reduce_max/sum    over the lanes that hold the same head (the token lanes)
-//   finalize_o        cross-lane sums still owed by the tiling after the loop (none today)
 //   writer / lh_writer       which lanes store outputs / per-head statistics
 //
 // Contraction dimensions (head_size in QK, tokens in PV) may be permuted freely as long as
@@ -137,7 +136,6 @@ struct MmaTiles {
   CPA_DEVICE static float reduce_sum(float x) {
     x += shfl_xor(x, 4); x += shfl_xor(x, 8); return x + shfl_xor(x, 16);
   }
-  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
   // The step's K and V from the cache (Src = KV_) or from its staged copy in shared memory
   // (Src = Staged): the same lane mapping either way.
@@ -288,7 +286,6 @@ struct Mfma16Tiles {
   CPA_DEVICE static bool lh_writer() { return q_() == 0; }
   CPA_DEVICE static float reduce_max(float x) { x = fmaxf_(x, shfl_xor(x, 16)); return fmaxf_(x, shfl_xor(x, 32)); }
   CPA_DEVICE static float reduce_sum(float x) { x += shfl_xor(x, 16); return x + shfl_xor(x, 32); }
-  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
   template <int PARTS = kLoadKV, class Src = KV_>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
@@ -403,7 +400,6 @@ struct Mfma4Tiles {
     for (int m = 4; m < 64; m <<= 1) x += shfl_xor(x, m);
     return x;
   }
-  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
   template <int PARTS = kLoadKV, class Src = KV_>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
     if constexpr (PARTS & kLoadK) {
@@ -514,7 +510,6 @@ struct ScalarTiles {
     for (int m = 1; m < kWave; m <<= 1) x += shfl_xor(x, m);
     return x;
   }
-  CPA_DEVICE static void finalize_o(float (&)[NO]) {}
 
   template <int PARTS = kLoadKV, class Src = KV_>
   CPA_DEVICE static void load_kv(KV& kv, const Src& c, int tok0, bool partial) {
