@@ -319,3 +319,23 @@ def test_h100_bench_table_at_8f64c88():
     assert round(sdpa[(8, 32768)] / fixed, 3) == 0.987
     dp = B.default_path(d)
     assert len(dp) == 16 and round(B.geomean(dp.slowdown), 3) == 1.020 and round(dp.slowdown.max(), 3) == 1.076
+
+
+def test_h100_target2_at_089eec7():
+    """data/bench/experiments/h100-target2-089eec7.csv, target 2's domain on an H100 at today's
+    kernels: complete and verified, and what data/bench/README.md and the notes quote -- the
+    H200's split (behind SDPA exactly at the 10 shapes with >= 128k tokens in the batch, 0.977-
+    0.993x) and the default launch 1.011x the per-shape best."""
+    d = pd.read_csv(CSV.parent / "experiments" / "h100-target2-089eec7.csv")
+    assert (d.device_name == "NVIDIA H100 80GB HBM3").all() and d.git_commit.str.startswith("089eec7").all()
+    k = d[d.tiling != "sdpa_cudnn"]
+    shapes = {(b, c) for b in (1, 2, 4, 8) for c in (8192, 16384, 32768, 65536, 131072)}
+    assert set(zip(k.num_seqs, k.max_seq_len)) == shapes and len(k) == 524 and k.verified.all()
+    assert k.groupby(["num_seqs", "max_seq_len"]).default_path.sum().eq(1).all()
+    sdpa = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    ratio = (sdpa / k.groupby(["num_seqs", "max_seq_len"]).time_us.min()).round(3)
+    assert {s for s, r in ratio.items() if r < 0.9965} == {s for s in shapes if s[0] * s[1] >= 131072}
+    assert ratio[(1, 65536)] == 0.999 and (ratio[[s for s in shapes if s[0] * s[1] < 65536]] > 1).all()
+    assert [ratio[(8, c)] for c in (8192, 16384, 32768, 65536, 131072)] == [1.013, 0.993, 0.984, 0.982, 0.977]
+    dp = B.default_path(d)
+    assert len(dp) == 20 and round(B.geomean(dp.slowdown), 3) == 1.011 and round(dp.slowdown.max(), 3) == 1.054
