@@ -419,6 +419,18 @@ def sdpa_gap(df):
     return pd.DataFrame(rows)
 
 
+def vs_sdpa(df):
+    """Target 2's count per shape of a bench CSV with SDPA rows: SDPA's time over the fastest
+    verified CPA launch of any combine, the `default_path` row included (it is a launch a user
+    gets); > 1 is faster than SDPA. A Series indexed by (num_seqs, max_seq_len)."""
+    d = df[(df.tiling != "sdpa_cudnn") & df.time_us.notna()]
+    if "verified" in d:
+        d = d[d.verified.fillna(False).astype(bool)]
+    sdpa = df[df.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    best = d.groupby(["num_seqs", "max_seq_len"]).time_us.min()
+    return (sdpa / best).dropna().rename("vs_sdpa")
+
+
 # Shapes with at least this many tokens in the batch stream (their times lie within about 1%
 # of a line in every shipped H200 / H100 run); smaller ones are latency-bound and bend it.
 STREAMING_MIN_TOKENS = 131072

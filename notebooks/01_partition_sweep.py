@@ -153,6 +153,21 @@ with pd.option_context("display.precision", 4):
     display(fit)
 
 # %% [markdown]
+# ### The same domain on an H100
+# The split is not one card's. The same call on an H100 at today's kernels
+# (`data/bench/experiments/h100-target2-089eec7.csv`; **measured on an H100**, not the target's
+# card, with its own SDPA in the run) divides the domain the same way: ahead of SDPA where the
+# batch holds fewer than 128k tokens, behind where it holds more. Each cell is target 2's count,
+# SDPA time over the fastest verified CPA launch (`cpa.bench.vs_sdpa`).
+
+# %%
+h100_t2 = pd.read_csv(B.EXPERIMENTS / "h100-target2-089eec7.csv")
+both = pd.concat({"H200": B.vs_sdpa(t2), "H100": B.vs_sdpa(h100_t2)}, axis=1)
+both.index.names = ["batch", "context"]
+with pd.option_context("display.precision", 3):
+    display(both.unstack("batch"))
+
+# %% [markdown]
 # ## Combining the partitions
 # Every partitioned launch pays for its combine once the attention kernel is done: the reduce
 # launch (a second kernel, started early by programmatic dependent launch) or the fused reduce

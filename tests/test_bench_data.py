@@ -285,8 +285,7 @@ def test_target2_official_count_at_b81e29d():
     shapes = {(b, c) for b in (1, 2, 4, 8) for c in (8192, 16384, 32768, 65536, 131072)}
     assert set(zip(k.num_seqs, k.max_seq_len)) == shapes and k.verified.all()
     assert k.groupby(["num_seqs", "max_seq_len"]).default_path.sum().eq(1).all()
-    sdpa = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
-    ratio = sdpa / k.groupby(["num_seqs", "max_seq_len"]).time_us.min()
+    ratio = B.vs_sdpa(d)
     ahead = {s for s, r in ratio.items() if r > 1}
     level = {s for s, r in ratio.items() if 0.9965 <= r <= 1}
     behind = {s for s, r in ratio.items() if r < 0.9965}
@@ -332,10 +331,20 @@ def test_h100_target2_at_089eec7():
     shapes = {(b, c) for b in (1, 2, 4, 8) for c in (8192, 16384, 32768, 65536, 131072)}
     assert set(zip(k.num_seqs, k.max_seq_len)) == shapes and len(k) == 524 and k.verified.all()
     assert k.groupby(["num_seqs", "max_seq_len"]).default_path.sum().eq(1).all()
-    sdpa = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
-    ratio = (sdpa / k.groupby(["num_seqs", "max_seq_len"]).time_us.min()).round(3)
+    ratio = B.vs_sdpa(d).round(3)
     assert {s for s, r in ratio.items() if r < 0.9965} == {s for s in shapes if s[0] * s[1] >= 131072}
     assert ratio[(1, 65536)] == 0.999 and (ratio[[s for s in shapes if s[0] * s[1] < 65536]] > 1).all()
     assert [ratio[(8, c)] for c in (8192, 16384, 32768, 65536, 131072)] == [1.013, 0.993, 0.984, 0.982, 0.977]
     dp = B.default_path(d)
     assert len(dp) == 20 and round(B.geomean(dp.slowdown), 3) == 1.011 and round(dp.slowdown.max(), 3) == 1.054
+
+
+def test_vs_sdpa_counts_verified_launches_only():
+    """bench.vs_sdpa: SDPA time over the fastest verified CPA launch per shape; an unverified
+    (wrong) row never counts, however fast, and a shape without SDPA has no ratio."""
+    rows = [dict(num_seqs=1, max_seq_len=8192, tiling="sdpa_cudnn", time_us=20.0, verified=True),
+            dict(num_seqs=1, max_seq_len=8192, tiling="mfma16", time_us=16.0, verified=True),
+            dict(num_seqs=1, max_seq_len=8192, tiling="mfma4", time_us=10.0, verified=False),
+            dict(num_seqs=8, max_seq_len=8192, tiling="mfma16", time_us=30.0, verified=True)]
+    r = B.vs_sdpa(pd.DataFrame(rows))
+    assert r.to_dict() == {(1, 8192): 1.25}
