@@ -109,14 +109,19 @@ def _ptr(t):
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size: int,
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
-                    fused_reduce: bool = False, return_intermediates: bool = False):
+                    fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
+                    check_values: bool = True):
     """The HIP kernel of (tiling, partition_size) on CPU tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
-    of each sequence and KV head combines). Outputs start NaN-poisoned."""
+    of each sequence and KV head combines). Outputs start NaN-poisoned. ``max_seq_len`` and
+    ``check_values`` as for ``cpa.paged_attention``: the grid is sized from max_seq_len."""
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
-        head_sizes=V.HEAD_SIZES, block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16))
+        head_sizes=V.HEAD_SIZES, block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16),
+        max_seq_len=max_seq_len, check_values=check_values)
+    if shape.max_seq_len is None:
+        raise ValueError("max_seq_len must be given when check_values=False")
     if query.device.type != "cpu":
         raise ValueError("the wave emulator runs on CPU tensors")
     variant = V.variant_for(tiling=tiling, partition_size=partition_size, head_size=shape.head_size,

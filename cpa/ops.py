@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -123,19 +124,29 @@ class Launch:
 
     def attention(self, stream: int | None = None) -> None:
         stream = self._stream() if stream is None else stream
-        self.kernel.check(self.kernel.attention(*self.attn_args, stream), "attention")
+        with on_device(self.out.device.index):
+            self.kernel.check(self.kernel.attention(*self.attn_args, stream), "attention")
 
     def reduce(self, stream: int | None = None) -> None:
         if self.reduce_args is None:
             return
         stream = self._stream() if stream is None else stream
-        self.kernel.check(self.kernel.reduce(*self.reduce_args, stream), "reduce")
+        with on_device(self.out.device.index):
+            self.kernel.check(self.kernel.reduce(*self.reduce_args, stream), "reduce")
 
     def __call__(self) -> torch.Tensor:
         stream = self._stream()
         self.attention(stream)
         self.reduce(stream)
         return self.out
+
+
+def on_device(device_index: int):
+    """The launcher launches on the calling thread's current device: a Launch of tensors on
+    another GPU switches to theirs for the call (as torch's own ops do), else nothing."""
+    if device_index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device_index)
 
 
 def current_raw_stream(device_index: int) -> int:
@@ -148,13 +159,37 @@ def current_raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+GRID_YZ_MAX = 65535  # a launch grid's y and z extents (CUDA and HIP alike)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def grid_limit_error(shape: PagedAttentionShape, num_partitions: int, partition_size: int, *,
+                     reduce_launch: bool) -> str | None:
+    """Why a launch's grids would exceed the y / z limit, or None: the attention grid is
+    (num_seqs, num_partitions, num_kv_heads), the reduce's (heads, num_seqs)."""
+    if num_partitions > GRID_YZ_MAX:
+        return (f"max_seq_len={shape.max_seq_len} needs {num_partitions} partitions of {partition_size} tokens; "
+                f"the grid allows at most {GRID_YZ_MAX}")
+    if shape.num_kv_heads > GRID_YZ_MAX:
+        return f"key_cache: num_kv_heads {shape.num_kv_heads} exceeds the grid's {GRID_YZ_MAX}"
+    if reduce_launch and shape.num_seqs > GRID_YZ_MAX:
+        return (f"query: num_seqs {shape.num_seqs} exceeds the reduce grid's {GRID_YZ_MAX} at {num_partitions} "
+                f"partitions; split the batch, or use a partition size that covers max_seq_len")
+    return None
+
+
 def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem: int) -> tuple:
     """(scale_log2, out_scale, kv_block_stride, kv_head_stride) as the attention kernel takes them:
     logits in log2 units with k_scale folded in, the output factor with v_scale, and the cache
-    strides in bytes. The kernel decodes fp8 to value / 256, so both scales carry the 256 back."""
+    strides in bytes. The kernel decodes fp8 to value / 256, so both scales carry the 256 back.
+    Raises ValueError where a folded factor is not a finite float32 (the kernel's type)."""
     fp8 = shape.kv_cache_dtype == "fp8"
     scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
     out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
+    for name, folded in (("scale" + (" x k_scale" if fp8 else ""), scale_log2), ("v_scale", out_scale)):
+        if not abs(folded) <= FLOAT32_MAX:
+            raise ValueError(f"{name}: folded into the kernel's float32 factor it overflows ({folded:.3g} > "
+                             f"{FLOAT32_MAX:.3g})")
     kv_head_stride = shape.head_size * shape.block_size * kv_elem
     return scale_log2, out_scale, shape.num_kv_heads * kv_head_stride, kv_head_stride
 
@@ -196,9 +231,9 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                              resident_per_sm=lambda v: resident_per_sm(v, query.device),
                              compute_units=_num_sms(query.device), allowed=allowed)
     num_partitions = -(-shape.max_seq_len // variant.partition_size)
-    if num_partitions > 65535:
-        raise ValueError(f"max_seq_len={shape.max_seq_len} needs {num_partitions} partitions of "
-                         f"{variant.partition_size} tokens; the grid allows at most 65535")
+    why = grid_limit_error(shape, num_partitions, variant.partition_size, reduce_launch=False)
+    if why:
+        raise ValueError(why)
     shape = dataclasses.replace(shape, partition_size=variant.partition_size, max_num_partitions=num_partitions)
     kernel = build(variant, query.device)
     fused = bool(fused_reduce) and num_partitions > 1
@@ -220,6 +255,11 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
         # combine's own rule was asked first (it wins at small grids)
         fused = (V.fused_default(arch, num_partitions) and not shared_steps and not cluster
                  and "-DCPA_FUSED_REDUCE=0" not in extra_flags())
+
+    why = grid_limit_error(shape, num_partitions, variant.partition_size,
+                           reduce_launch=num_partitions > 1 and not fused and not cluster)
+    if why:
+        raise ValueError(why)
 
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
     dev = query.device

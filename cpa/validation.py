@@ -241,6 +241,13 @@ def validate_paged_attention_args(
     for name, t in [("query", query)] + named:
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    # the kernel reads queries and cache rows as 16-byte vectors: a view that starts inside an
+    # allocation (a nonzero storage offset) can break that alignment while staying contiguous
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(f"{name}: its data must start at a 16-byte boundary (the kernel loads 16-byte "
+                             f"vectors); this view starts {t.data_ptr() % 16} bytes past one (storage offset "
+                             f"{t.storage_offset()}): pass a tensor that owns its memory, e.g. .clone()")
 
     # ---- shapes --------------------------------------------------------------------------
     num_seqs, num_heads, head_size = (int(s) for s in query.shape)

@@ -154,6 +154,26 @@ def test_hip_kernel_in_the_emulator(c):
     assert terr <= tol, f"tmp_out relative error {terr:.3g} > {tol:g}"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce", "fused"])
+def test_a_launch_sized_for_shorter_sequences_truncates_in_bounds(fused):
+    """A grid sized by max_seq_len for shorter sequences than seq_lens holds (check_values=False,
+    or a graph replayed after the lengths grew): each sequence is attended to over the tokens
+    the grid covers -- the reference with its length clamped there -- the reduce reads no other
+    row's partials, and the fused reduce's counters return to zero (the emulator raises if not).
+    Before the kernel clamped its counts, the reduce combined the next head's partials and the
+    fused reduce never fired, leaving NaN and counters that broke every later launch on them."""
+    from cpa.inputs import make_paged_inputs
+
+    P, grid_tokens = 64, 128
+    inp = make_paged_inputs(2, 8, 2, 64, 16, [256, 100], dtype=torch.float16, seed=11)
+    kw = inp.as_kwargs()
+    out = emu.paged_attention(**kw, partition_size=P, tiling="mfma16", fused_reduce=fused,
+                              max_seq_len=grid_tokens, check_values=False)
+    ref = reference.paged_attention(**dict(kw, seq_lens=kw["seq_lens"].clamp(max=grid_tokens)))
+    err = reference.relative_error(out, ref, per_seq=True)
+    assert err <= reference.REL_ERR_TOL[torch.float16], f"relative error {err:.3g}"
+
+
 def test_emulator_refuses_what_it_does_not_run():
     from cpa.inputs import make_paged_inputs
 

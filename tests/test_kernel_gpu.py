@@ -515,6 +515,55 @@ def test_fused_reduce_auto():
         assert reference.relative_error(static_out, ref, per_seq=True) <= tol
 
 
+@pytest.mark.parametrize("combine", ["reduce", "fused", "shared", "cluster"])
+def test_launch_replayed_after_seq_lens_grew(combine):
+    """A Launch sized for 1024 tokens (4 partitions of 256), replayed after its sequences grew
+    past that -- a graph captured too short, or check_values=False with too small a max_seq_len:
+    each sequence is attended to over the tokens the grid covers (the reference with its length
+    clamped there), nothing is read out of bounds, and the launch's counters are back at zero,
+    so the stream's shared counters serve the next (valid) call. Before the kernels clamped
+    their counts the reduce read other rows' partials and the fused reduce never fired."""
+    import cpa
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+    from cpa.jit import device_arch
+
+    _, arch = device_arch()
+    sized, P = 1024, 256
+    lens = [4096, 700, 1500, 4093]
+    inp = make_paged_inputs(len(lens), 64, 8, 128, 16, lens, dtype=torch.float16, device="cuda", seed=21)
+    kw = inp.as_kwargs()
+    grown = kw["seq_lens"].clone()
+    seq_lens = grown.clamp(max=sized)  # the lengths the launch is prepared (or captured) with
+    opts = {"reduce": dict(fused_reduce=False, cluster_reduce=False),
+            "fused": dict(fused_reduce=True, cluster_reduce=False),
+            "shared": dict(shared_steps=True, fused_reduce=False, cluster_reduce=False),
+            "cluster": dict(cluster_reduce=True, fused_reduce=False)}[combine]
+    if combine == "cluster" and V.cluster_unsupported(arch, sized // P):
+        pytest.skip(V.cluster_unsupported(arch, sized // P))
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**dict(kw, seq_lens=seq_lens), partition_size=P, out=out, check_values=False,
+                         max_seq_len=sized, **opts)
+    assert launch.num_partitions == sized // P
+    tol = reference.REL_ERR_TOL[torch.float16]
+    truncated = reference.paged_attention(**dict(kw, seq_lens=grown.clamp(max=sized)))
+    seq_lens.copy_(grown)  # the sequences grow; the launch is replayed as it was made
+    for _ in range(2):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert reference.relative_error(out, truncated, per_seq=True) <= tol
+    counters = launch._inputs[-1] if combine == "fused" else launch.steal_counters
+    if counters is not None:
+        assert int(counters.abs().sum()) == 0, "counters left set"
+    # the same through paged_attention's shared per-stream counters, then a valid call after it
+    short = cpa.paged_attention(**kw, partition_size=P, check_values=False, max_seq_len=sized, **opts)
+    assert reference.relative_error(short, truncated, per_seq=True) <= tol
+    full = cpa.paged_attention(**kw, partition_size=P, **opts)
+    assert reference.relative_error(full, reference.paged_attention(**kw), per_seq=True) <= tol
+
+
 # Shared steps: the workgroups of each (sequence, KV head) take its steps from one counter.
 # Every tiling with a 16-bit and an fp8 cache at partitions from the smallest allowed (two steps
 # per wave) to 8192, then every other axis.

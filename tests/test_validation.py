@@ -238,6 +238,26 @@ def test_out_contiguous(kw):
     raises(ValueError, "out", kw, out=_noncontig(torch.empty_like(kw["query"])))
 
 
+def _offset_view(t, elements):
+    """A contiguous copy of t that starts `elements` elements into its own allocation."""
+    buf = torch.empty(t.numel() + elements, dtype=t.dtype)
+    view = buf[elements:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.storage_offset() == elements
+    return view
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+@pytest.mark.parametrize("name", ["query", "key_cache", "value_cache", "out"])
+def test_data_on_a_16_byte_boundary(name, kv):
+    # contiguous but not 16-byte aligned: the kernel's vector loads would fault on NVIDIA
+    kw = base(kv=kv)
+    t = torch.empty_like(kw["query"]) if name == "out" else kw[name]
+    msg = raises(ValueError, name, kw, **{name: _offset_view(t, 1)})
+    assert "16-byte" in msg and "storage offset 1" in msg
+    call(kw, **{name: _offset_view(t, 16 // t.element_size())})  # 16 bytes in: aligned, accepted
+
+
 # ---- shapes ---------------------------------------------------------------------------------------------
 def test_num_heads_multiple_of_kv_heads():
     kw = make_paged_inputs(2, 6, 3, 64, 16, 20, dtype=torch.float32).as_kwargs()

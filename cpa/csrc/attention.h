@@ -67,6 +67,23 @@ namespace cpa {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The tokens of a sequence a launch attends to are at most its grid's and its block-table
+// row's (AttnParams::max_seq_tokens, launch_tokens). Validation refuses longer sequences before
+// a checked launch; an unchecked one, or a graph replayed after seq_lens grew past the length
+// it was sized for, is truncated to its grid. (A sequence longer than its block-table row is
+// invalid input: partials past the row stay unwritten, a wrong result, but every access stays
+// in bounds.)
+inline int launch_tokens(int max_num_partitions, int partition_size, int max_blocks_per_seq, int block_size) {
+  const int64_t grid = (int64_t)max_num_partitions * partition_size, table = (int64_t)max_blocks_per_seq * block_size;
+  const int64_t n = grid < table ? grid : table;
+  return n < INT32_MAX ? (int)n : INT32_MAX;
+}
+// The partitions a sequence fills, at most the grid's: what the reduce kernels combine.
+CPA_DEVICE int num_partitions_of(int seq_len, int partition_size, int max_num_partitions) {
+  const int np = (seq_len + partition_size - 1) / partition_size;
+  return np < max_num_partitions ? np : max_num_partitions;
+}
+
 struct AttnParams {
   void* out;              // [num_seqs, num_heads, HEAD] query dtype (written when out_direct)
   float* exp_sums;        // [num_seqs, num_heads, max_num_partitions]
@@ -92,6 +109,7 @@ struct AttnParams {
   int cluster;              // > 1: the launch's clusters are the max_num_partitions (= cluster)
                             // partitions of one (sequence, KV head); they combine in the kernel
   int* steal;               // [num_seqs * num_kv_heads][2] zeros, or null: shared steps (below)
+  int max_seq_tokens;       // launch_tokens(): the most tokens of a sequence the launch covers
 };
 
 struct ReduceParams {
@@ -769,7 +787,9 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
   if (CPA_PDL_ATTENTION) wait_prior_grid();  // before any access: the previous kernel's writes
   allow_dependent_launch();  // the reduce kernel may be scheduled once every workgroup is running
   const int seq = block_idx_x(), part = block_idx_y(), kvh = block_idx_z();
-  const int seq_len = p.seq_lens[seq];
+  // (clamped: the fused reduce's and shared steps' counts then stay those of the grid)
+  const int seq_len_given = p.seq_lens[seq];
+  const int seq_len = seq_len_given < p.max_seq_tokens ? seq_len_given : p.max_seq_tokens;
   const int start = part * PARTITION;
   const int first = start + wave_id() * Tl::TOKENS;  // the wave's first step
   const int* table_row = p.block_tables + (int64_t)seq * p.max_blocks_per_seq;
@@ -1033,7 +1053,7 @@ __global__ void __launch_bounds__(kReduceFewThreads) paged_attention_reduce_few_
   const int tid = thread_idx();
   const int head = block_idx_x() * RC::HEADS + tid / RC::GROUP, col = tid % RC::GROUP, seq = block_idx_y();
   if (head >= p.num_heads) return;
-  const int np = (p.seq_lens[seq] + p.partition_size - 1) / p.partition_size;
+  const int np = num_partitions_of(p.seq_lens[seq], p.partition_size, p.max_num_partitions);
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   wait_prior_grid();  // the partials below are the attention kernel's
   float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -1070,7 +1090,7 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_reduce_kernel(
   __shared__ float max_s[ROWS], sum_s[ROWS];
   __shared__ __attribute__((aligned(16))) float acc_s[ROWS][HEAD];
   const int head = block_idx_x(), seq = block_idx_y(), tid = thread_idx();
-  const int np = (p.seq_lens[seq] + p.partition_size - 1) / p.partition_size;
+  const int np = num_partitions_of(p.seq_lens[seq], p.partition_size, p.max_num_partitions);
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   const int col = tid % RC::COLS, row = tid / RC::COLS;
   wait_prior_grid();  // the partials below are the attention kernel's

@@ -2,6 +2,8 @@
 // and the Python side (cpa/build.py, cpa/ops.py) calls these through ctypes with raw
 // device pointers and the current stream.
 #pragma once
+#include <atomic>
+
 #include "attention.h"
 
 #if CPA_HIP
@@ -11,6 +13,23 @@
 #endif
 
 namespace cpa {
+
+// Function attributes and device properties belong to one device, and the launcher launches on
+// the calling thread's current device (cpa.ops switches to the tensors' one): each such set-up
+// runs once per device, its answer kept (one slot per call site and kernel).
+template <class Ask>
+int once_per_device(Ask ask) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> answer[kMaxDevices];  // 0: not asked on that device yet, else answer + 1
+  int dev = 0;
+  if (CPA_RT(GetDevice)(&dev) != CPA_RT(Success) || dev < 0 || dev >= kMaxDevices) return ask();
+  int a = answer[dev].load(std::memory_order_relaxed);
+  if (a == 0) {
+    a = ask() + 1;  // (two threads may both ask: the answers agree)
+    answer[dev].store(a, std::memory_order_relaxed);
+  }
+  return a - 1;
+}
 
 // Dynamic shared memory of the attention kernel: all of it with the staged loop, else none.
 template <class Cfg>
@@ -35,11 +54,11 @@ template <class Kernel, class Params>
 int launch_dependent(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, void* stream,
                      bool dependent = true) {
 #if CPA_CUDA && CPA_PDL
-  static const bool pdl = [] {
+  const bool pdl = once_per_device([] {
     int dev = 0, major = 0;
-    return cudaGetDevice(&dev) == cudaSuccess &&
-           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
-  }();
+    return int(cudaGetDevice(&dev) == cudaSuccess &&
+               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9);
+  }) == 1;
   if (pdl && dependent) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -74,7 +93,7 @@ int allow_large_clusters() {
 template <class Cfg>
 int launch_clustered(const AttnParams& p, dim3 grid, void* stream) {
 #if CPA_CUDA
-  static const int opt_in = allow_large_clusters<Cfg>();
+  const int opt_in = once_per_device([] { return allow_large_clusters<Cfg>(); });
   if (opt_in) return opt_in;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -99,7 +118,7 @@ int launch_clustered(const AttnParams& p, dim3 grid, void* stream) {
 template <class Cfg>
 int launch_attention(const AttnParams& p, int num_seqs, int num_kv_heads, void* stream) {
   const dim3 grid(num_seqs, p.max_num_partitions, num_kv_heads);
-  static const int opt_in = allow_dynamic_smem<Cfg>();  // once per process
+  const int opt_in = once_per_device([] { return allow_dynamic_smem<Cfg>(); });
   if (opt_in) return opt_in;
   if (p.cluster > 1) return launch_clustered<Cfg>(p, grid, stream);
   if (p.steal) {  // shared steps: direct loads, no cluster (the Python side refuses the rest)
@@ -209,7 +228,9 @@ int kernel_attributes(int which, int* out) {
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, counters, num_kv_heads, cluster, steal};                        \
+                      out_direct, counters, num_kv_heads, cluster, steal,                        \
+                      cpa::launch_tokens(max_num_partitions, CpaCfg::partition_size,              \
+                                         max_blocks_per_seq, CpaCfg::block_size)};                \
     return cpa::launch_attention<CpaCfg>(p, num_seqs, num_kv_heads, stream);                      \
   }                                                                                                \
   extern "C" int cpa_reduce(void* out, const float* exp_sums, const float* max_logits,             \

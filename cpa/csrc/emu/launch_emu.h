@@ -60,7 +60,9 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, counters, num_kv_heads, 0, nullptr};                            \
+                      out_direct, counters, num_kv_heads, 0, nullptr,                            \
+                      cpa::launch_tokens(max_num_partitions, CpaCfg::partition_size,              \
+                                         max_blocks_per_seq, CpaCfg::block_size)};                \
     return cpa_emu::attention<CpaCfg>(p, num_seqs, num_kv_heads);                                  \
   }                                                                                                \
   extern "C" int cpa_emu_reduce(void* out, const float* exp_sums, const float* max_logits,         \
