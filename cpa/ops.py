@@ -141,11 +141,17 @@ class Launch:
         return self.out
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+# (torch's raw query: a fraction of a microsecond, where torch.cuda.current_device() adds its
+# lazy-init check to every launch of the eager and prepared paths)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def on_device(device_index: int):
     """The launcher launches on the calling thread's current device: a Launch of tensors on
     another GPU switches to theirs for the call (as torch's own ops do), else nothing."""
-    if device_index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+    if device_index == _current_device():
+        return _SAME_DEVICE
     return torch.cuda.device(device_index)
 
 

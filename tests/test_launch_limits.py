@@ -44,7 +44,7 @@ def test_scales_that_overflow_float32_are_refused():
 
 
 def test_a_launch_runs_on_its_tensors_device(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(ops, "_current_device", lambda: 0)
     assert isinstance(ops.on_device(0), contextlib.nullcontext)
     guard = ops.on_device(1)  # (not entered: no GPU here)
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
