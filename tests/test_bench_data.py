@@ -368,3 +368,21 @@ def test_h100_target2_before_and_after_the_seq_len_clamp():
     assert best.between(0.995, 1.005).all()
     behind = {s for s, r in B.vs_sdpa(new).items() if r < 0.9965}
     assert behind == {s for s in best.index if s[0] * s[1] >= 131072}
+
+
+def test_h100_bench_table_at_49dcfd1():
+    """data/bench/experiments/h100-kernel-49dcfd1.csv, `cpa bench` at today's kernels on a slower
+    H100 of the pool: whole and verified, and what data/bench/README.md quotes -- ahead of SDPA at
+    1 x 8k, 1 x 32k and 8 x 8k, behind at 8 x 32k (0.986 with shared steps, 0.980 fixed)."""
+    d = pd.read_csv(CSV.parent / "experiments" / "h100-kernel-49dcfd1.csv")
+    assert (d.device_name == "NVIDIA H100 80GB HBM3").all() and d.git_commit.str.startswith("49dcfd1").all()
+    assert len(d) == 1040 and d.verified.all() and round(d.read_gbps_ceiling.iloc[0]) == 3144
+    named = B._kernel_rows(d)[0]
+    sdpa = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    ratio = (sdpa / named.groupby(["num_seqs", "max_seq_len"]).time_us.min()).round(3)
+    assert [ratio[s] for s in ((1, 8192), (1, 32768), (8, 8192), (8, 32768))] == [1.079, 1.018, 1.008, 0.986]
+    at = named[(named.num_seqs == 8) & (named.max_seq_len == 32768)]
+    assert bool(at.loc[at.time_us.idxmin()].shared_steps)
+    assert round(sdpa[(8, 32768)] / at[~at.shared_steps].time_us.min(), 3) == 0.980
+    dp = B.default_path(d)
+    assert len(dp) == 16 and round(B.geomean(dp.slowdown), 3) == 1.017 and round(dp.slowdown.max(), 3) == 1.067
