@@ -158,13 +158,15 @@ def test_shipped_occupancy_against_the_counters(joined):
     occ = C.theoretical_occupancy(joined)
     assert occ.theoretical_occupancy.notna().all()
     assert (occ.theoretical_occupancy == 0.125).all()
-    # the compiled registers of the static table (cpa static, sm_90) are the ones ncu saw
-    static = O.load_static_table("sm_90")
-    regs = static[static.kernel == "attention"].set_index("variant").registers
+    # the compiled registers of the static table (cpa static, sm_90) are the ones ncu saw, but
+    # for the one register the sequence clamp of 781cf90 added to the mma tilings (the counters
+    # are of 0e2dc8d's kernels, the table of today's): the same register limit, 2 blocks per SM
+    static = O.resource_table("sm_90", head_size=128).set_index("variant")
     names = [V.variant_for(tiling=r.tiling, partition_size=r.partition_size, head_size=128, block_size=16,
                            dtype="fp16", kv_cache_dtype="auto", gqa_ratio=8, platform="cuda").name
              for r in joined.itertuples()]
-    assert (joined.registers_per_thread.to_numpy() == regs.loc[names].to_numpy()).all()
+    moved = static.registers.loc[names].to_numpy() - joined.registers_per_thread.to_numpy()
+    assert ((moved >= 0) & (moved <= 1)).all() and (static.blocks_per_sm.loc[names] == 2).all()
     assert (joined[joined.tiling == "scalar"].registers_per_thread == 255).all()
     assert (joined.occupancy_limit_registers == 2).all()
     assert (occ.achieved_occupancy <= occ.theoretical_occupancy).all()
