@@ -301,6 +301,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     launch.fused_reduce = fused
     launch.cluster = cluster
     launch.shared_steps = steal is not None
+    launch.fused_counters = counters
     launch.steal_counters = steal
     return launch
 

@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                              max_seq_len=1024, **opts)
         seq_lens.copy_(grown)
         err = max(reference.relative_error(launch(), truncated, per_seq=True) for _ in range(2))
-        counters = launch._inputs[-1] if name == "fused" else launch.steal_counters
+        counters = launch.fused_counters if name == "fused" else launch.steal_counters
         ok = err <= reference.REL_ERR_TOL[torch.float16] and (counters is None or int(counters.abs().sum()) == 0)
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} mfma16  p256   fp16 kvauto gqa8   {'grown: ' + name:15s} rel_err {err:.2e}")

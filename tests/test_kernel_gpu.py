@@ -554,7 +554,7 @@ def test_launch_replayed_after_seq_lens_grew(combine):
         launch()
         torch.cuda.synchronize()
         assert reference.relative_error(out, truncated, per_seq=True) <= tol
-    counters = launch._inputs[-1] if combine == "fused" else launch.steal_counters
+    counters = launch.fused_counters if combine == "fused" else launch.steal_counters
     if counters is not None:
         assert int(counters.abs().sum()) == 0, "counters left set"
     # the same through paged_attention's shared per-stream counters, then a valid call after it
