@@ -62,7 +62,7 @@ class EmuKernel:
         L.cpa_emu_attention.restype = i32
         L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp]
         L.cpa_emu_reduce.restype = i32
-        L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 3
+        L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 4
         if L.cpa_variant().decode() != self.variant.name:
             raise RuntimeError(f"{self.path} holds {L.cpa_variant().decode()}, not {self.variant.name}")
 
@@ -146,7 +146,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         scale_log2, out_scale, int(parts == 1), _ptr(counters)), "attention kernel")
     if parts > 1 and not fused:
         k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(seq_lens),
-                                     S, H, parts), "reduce kernel")
+                                     S, H, parts, shape.max_blocks_per_seq), "reduce kernel")
     if fused and int(counters.abs().sum()) != 0:
         raise RuntimeError("the fused reduce left its counters non-zero")
     if return_intermediates:

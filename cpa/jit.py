@@ -153,7 +153,7 @@ class BuiltKernel:
         L.cpa_attention.restype = i32
         L.cpa_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, i32, vp, vp]
         L.cpa_reduce.restype = i32
-        L.cpa_reduce.argtypes = [vp] * 5 + [i32] * 3 + [vp]
+        L.cpa_reduce.argtypes = [vp] * 5 + [i32] * 4 + [vp]
         L.cpa_kernel_attributes.restype = i32
         L.cpa_kernel_attributes.argtypes = [i32, ctypes.POINTER(ctypes.c_int)]
         L.cpa_max_active_clusters.restype = i32

@@ -294,7 +294,8 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
                  ptr(counters), cluster, ptr(steal))
     reduce_args = None
     if num_partitions > 1 and not fused and not cluster:
-        reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions)
+        reduce_args = (ptr(out), ptr(exp_sums), ptr(max_logits), ptr(tmp_out), ptr(seq_lens), S, H, num_partitions,
+                       shape.max_blocks_per_seq)
     # keep the tensors the raw pointers point into alive for as long as the Launch
     launch = Launch(kernel, shape, out, exp_sums, max_logits, tmp_out, attn_args, reduce_args)
     launch._inputs = (query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes, counters)

@@ -116,32 +116,37 @@ def main(argv=None) -> int:
         print(f"{'ok  ' if ok else 'FAIL'} mfma16  p512   fp16 kvauto gqa8   "
               f"{'default: fused' if fused else 'default':15s} rel_err {err:.2e}")
     # launches replayed after their sequences grew past what they were sized for (a graph
-    # captured too short): attended to over the grid's 1024 tokens, nothing read past it -- one
-    # sequence even longer than its block-table row -- and each combine's counters left at zero
+    # captured too short): attended to over the grid's 1024 tokens, nothing read past it, and
+    # each combine's counters left at zero. Then a grid of 3072 tokens with one sequence (2600)
+    # longer than its block-table row (2048): attended to over the row, the reduce combining
+    # only the partitions the attention kernel wrote
     ls = [1, 700, 1500, 2048, 2048]
     inp = make_paged_inputs(len(ls), 16, 2, 128, 16, ls, dtype=torch.float16, device="cuda", seed=9)
     kw = inp.as_kwargs()
     grown = torch.tensor([1, 700, 1500, 2048, 2600], dtype=torch.int32, device="cuda")  # 2600 > the row's 2048
-    truncated = reference.paged_attention(**dict(kw, seq_lens=kw["seq_lens"].clamp(max=1024)))
     combines = {"reduce": dict(fused_reduce=False, cluster_reduce=False),
                 "fused": dict(fused_reduce=True, cluster_reduce=False),
-                "shared": dict(shared_steps=True, fused_reduce=False, cluster_reduce=False)}
-    if cpa.variants.cluster_unsupported(device_arch()[1], 4) is None:
-        combines["cluster"] = dict(cluster_reduce=True, fused_reduce=False)
+                "shared": dict(shared_steps=True, fused_reduce=False, cluster_reduce=False),
+                "cluster": dict(cluster_reduce=True, fused_reduce=False)}
     if staged_loops_flagged():
         del combines["shared"]
-    for name, opts in combines.items():
-        seq_lens = kw["seq_lens"].clamp(max=1024)
+    truncated = {1024: reference.paged_attention(**dict(kw, seq_lens=kw["seq_lens"].clamp(max=1024))),
+                 3072: reference.paged_attention(**kw)}
+    runs = [(tokens, name, opts) for tokens in truncated for name, opts in combines.items()
+            if name != "cluster" or cpa.variants.cluster_unsupported(device_arch()[1], tokens // 256) is None]
+    for tokens, name, opts in runs:
+        seq_lens = kw["seq_lens"].clamp(max=tokens)
         launch = ops.prepare(**dict(kw, seq_lens=seq_lens), tiling="mfma16", partition_size=256, check_values=False,
-                             max_seq_len=1024, **opts)
+                             max_seq_len=tokens, **opts)
         seq_lens.copy_(grown)
-        err = max(reference.relative_error(launch(), truncated, per_seq=True) for _ in range(2))
+        err = max(reference.relative_error(launch(), truncated[tokens], per_seq=True) for _ in range(2))
         counters = launch.fused_counters if name == "fused" else launch.steal_counters
         ok = err <= reference.REL_ERR_TOL[torch.float16] and (counters is None or int(counters.abs().sum()) == 0)
         failed += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} mfma16  p256   fp16 kvauto gqa8   {'grown: ' + name:15s} rel_err {err:.2e}")
+        case = ("grown: " if tokens == 1024 else "past row: ") + name
+        print(f"{'ok  ' if ok else 'FAIL'} mfma16  p256   fp16 kvauto gqa8   {case:17s} rel_err {err:.2e}")
     torch.cuda.synchronize()
-    print(f"{len(cases) + 2 + len(combines) - failed} passed, {failed} failed")
+    print(f"{len(cases) + 2 + len(runs) - failed} passed, {failed} failed")
     return 1 if failed else 0
 
 

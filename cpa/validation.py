@@ -164,13 +164,15 @@ def validate_paged_attention_args(
 ) -> PagedAttentionShape:
     """Check paged-attention decode arguments and return the derived sizes.
 
-    Structural checks (types, dtypes, shapes, one device, contiguity, supported head and
-    block sizes, ``partition_size`` a power-of-two multiple of ``block_size``) never touch
-    tensor data. With ``check_values=True`` (default) it also reads ``seq_lens`` and
-    ``block_tables`` -- a device sync -- and checks ``1 <= seq_len <= max_blocks_per_seq *
-    block_size`` and that the block-table entries each sequence uses (the first
-    ``ceil(seq_len / block_size)`` of its row) lie in ``[0, num_blocks)``. Entries past a
-    sequence's used blocks are never read: serving engines leave garbage there.
+    Structural checks (types, dtypes, shapes, one device, contiguity, 16-byte aligned data,
+    ``out`` sharing no memory with an input, supported head and block sizes, ``partition_size``
+    a power-of-two multiple of ``block_size``) never touch tensor data. With
+    ``check_values=True`` (default) it also reads ``seq_lens``, ``block_tables`` and
+    ``alibi_slopes`` -- a device sync -- and checks ``1 <= seq_len <= max_blocks_per_seq *
+    block_size``, that the block-table entries each sequence uses (the first
+    ``ceil(seq_len / block_size)`` of its row) lie in ``[0, num_blocks)`` and that the slopes
+    are finite. Entries past a sequence's used blocks are never read: serving engines leave
+    garbage there.
 
     ``max_seq_len``: if given it is used as is (with ``check_values`` it must be at least the
     true maximum); otherwise it is computed when ``check_values`` is set, else left None.
@@ -249,6 +251,14 @@ def validate_paged_attention_args(
                              f"vectors); this view starts {t.data_ptr() % 16} bytes past one (storage offset "
                              f"{t.storage_offset()}): pass a tensor that owns its memory, e.g. .clone()")
 
+    # the kernels write out while reading the rest (the fused reduce and the reduce kernel after
+    # other workgroups read query and the caches): out must share no byte with an input
+    if out is not None:
+        for name, t in (("query", query),) + tuple(named[:-1]):
+            if t is not None and _shares_memory(out, t):
+                raise ValueError(f"out: overlaps {name} in memory; the kernel reads {name} while it writes out, "
+                                 f"so out must be a separate tensor (e.g. torch.empty_like(query))")
+
     # ---- shapes --------------------------------------------------------------------------
     num_seqs, num_heads, head_size = (int(s) for s in query.shape)
     x = 16 // key_cache.element_size()
@@ -307,7 +317,7 @@ def validate_paged_attention_args(
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: must be >= 1, got {max_seq_len}")
     if check_values:
-        true_max = _check_values(block_tables, seq_lens, num_blocks, block_size, capacity)
+        true_max = _check_values(block_tables, seq_lens, num_blocks, block_size, capacity, alibi_slopes)
         if max_seq_len is None:
             max_seq_len = true_max
         elif max_seq_len < true_max:
@@ -339,20 +349,30 @@ def validate_paged_attention_args(
     )
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes intersect (pointer arithmetic, no device access)."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _check_values(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, capacity: int
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, capacity: int,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> int:
     """Vectorized value checks; returns max(seq_lens). One host sync unless something is wrong.
-    Eight small kernels and one copy: each kernel costs the host several us per eager call, so
-    the check uses the fewest that still locate every error it reports."""
+    Eight small kernels and one copy (two more with ALiBi slopes): each kernel costs the host
+    several us per eager call, so the check uses the fewest that still locate every error it
+    reports."""
     sl = seq_lens
     # entry j of a row is in use when its first token j * block_size is within the sequence
     first_token = torch.arange(0, block_tables.shape[1] * block_size, block_size, device=block_tables.device)
     in_use = first_token[None, :] < sl[:, None]
     out_of_range = block_tables.clamp(0, num_blocks - 1) != block_tables
     bad = in_use & out_of_range
-    stats = torch.stack([*torch.aminmax(sl), bad.sum(dtype=torch.int32)]).tolist()
-    lo, hi, nbad = (int(v) for v in stats)
+    stats = [*torch.aminmax(sl), bad.sum(dtype=torch.int32)]
+    if alibi_slopes is not None:  # an infinite or NaN slope makes every logit of its head NaN
+        stats.append((~torch.isfinite(alibi_slopes)).sum(dtype=torch.int32))
+    lo, hi, nbad, *nonfinite = (int(v) for v in torch.stack(stats).tolist())
     if lo < 1 or hi > capacity:
         wrong = ((sl < 1) | (sl > capacity)).nonzero()[0, 0].item()
         raise ValueError(
@@ -367,4 +387,8 @@ def _check_values(
             f"[0, num_blocks = {num_blocks}); sequence {s} (seq_len {int(sl[s].item())}) uses the first "
             f"{int(used[s].item())} entries of its row ({nbad} bad entr{'y' if nbad == 1 else 'ies'} in all)"
         )
+    if nonfinite and nonfinite[0]:
+        h = int((~torch.isfinite(alibi_slopes)).nonzero()[0, 0].item())
+        raise ValueError(f"alibi_slopes: alibi_slopes[{h}] = {float(alibi_slopes[h].item())}; every slope must be "
+                         f"finite ({nonfinite[0]} not)")
     return hi

@@ -174,6 +174,28 @@ def test_a_launch_sized_for_shorter_sequences_truncates_in_bounds(fused):
     assert err <= reference.REL_ERR_TOL[torch.float16], f"relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("fused,P", [(False, 64), (False, 128), (True, 64)], ids=["reduce", "reduce_few", "fused"])
+def test_a_sequence_longer_than_its_block_table_row_is_truncated_to_the_row(fused, P):
+    """seq_lens past the block-table row (invalid input that check_values=False lets through):
+    the attention kernel and the reduce both clamp the sequence to the row's tokens, so the
+    output is the reference over the row and no partial is read unwritten (the emulator's
+    partials start NaN; before the reduce clamped to the row it combined them)."""
+    from cpa.inputs import make_paged_inputs
+
+    row_tokens = 128
+    inp = make_paged_inputs(2, 8, 2, 64, 16, [row_tokens, 100], dtype=torch.float16, seed=12)
+    kw = inp.as_kwargs()
+    assert kw["block_tables"].shape[1] * 16 == row_tokens
+    longer = dict(kw, seq_lens=torch.tensor([300, 100], dtype=torch.int32))
+    if not fused:  # 5 partitions: the reduce kernel; 3: reduce_few
+        assert V.reduce_kernel(-(-300 // P), 2, 8) == ("reduce" if P == 64 else "reduce_few")
+    out = emu.paged_attention(**longer, partition_size=P, tiling="mfma16", fused_reduce=fused,
+                              max_seq_len=300, check_values=False)
+    assert not torch.isnan(out).any(), "the reduce combined unwritten partials"
+    err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
+    assert err <= reference.REL_ERR_TOL[torch.float16], f"relative error {err:.3g}"
+
+
 def test_emulator_refuses_what_it_does_not_run():
     from cpa.inputs import make_paged_inputs
 

@@ -564,6 +564,41 @@ def test_launch_replayed_after_seq_lens_grew(combine):
     assert reference.relative_error(full, reference.paged_attention(**kw), per_seq=True) <= tol
 
 
+@pytest.mark.parametrize("combine,P", [("reduce", 256), ("reduce_few", 1024), ("fused", 256), ("shared", 256)])
+def test_a_sequence_longer_than_its_block_table_row_is_truncated_to_the_row(combine, P):
+    """check_values=False lets a seq_len past the block-table row through (invalid input): the
+    attention kernel and every combine clamp it to the row's tokens, so the output is the
+    reference over the row. Before the reduce kernels clamped to the row they combined the
+    partitions past it, which nothing wrote (NaN here: the partials start poisoned)."""
+    import cpa.ops as ops
+    from cpa import reference
+    from cpa.inputs import make_paged_inputs
+
+    row = 2048
+    lens = [row, 700, 1500]
+    inp = make_paged_inputs(len(lens), 64, 8, 128, 16, lens, dtype=torch.float16, device="cuda", seed=22)
+    kw = inp.as_kwargs()
+    assert kw["block_tables"].shape[1] * 16 == row
+    separate = dict(fused_reduce=False, cluster_reduce=False)
+    opts = {"reduce": separate, "reduce_few": separate,
+            "fused": dict(fused_reduce=True, cluster_reduce=False),
+            "shared": dict(shared_steps=True, fused_reduce=False, cluster_reduce=False)}[combine]
+    out = torch.full_like(inp.query, float("nan"))
+    launch = ops.prepare(**dict(kw, seq_lens=torch.tensor([3000, 700, 1500], dtype=torch.int32, device="cuda")),
+                         partition_size=P, out=out, check_values=False, max_seq_len=3072, **opts)
+    assert launch.num_partitions == 3072 // P
+    if combine.startswith("reduce"):  # both reduce kernels
+        assert V.reduce_kernel(launch.num_partitions, len(lens), 64) == combine
+    for t in (launch.exp_sums, launch.max_logits, launch.tmp_out):
+        if t is not None:
+            t.fill_(float("nan"))
+    launch()
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any(), "the combine read partials nothing wrote"
+    err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
+    assert err <= reference.REL_ERR_TOL[torch.float16], f"relative error {err:.3g}"
+
+
 # Shared steps: the workgroups of each (sequence, KV head) take its steps from one counter.
 # Every tiling with a 16-bit and an fp8 cache at partitions from the smallest allowed (two steps
 # per wave) to 8192, then every other axis.

@@ -258,6 +258,41 @@ def test_data_on_a_16_byte_boundary(name, kv):
     call(kw, **{name: _offset_view(t, 16 // t.element_size())})  # 16 bytes in: aligned, accepted
 
 
+@pytest.mark.parametrize("name", ["query", "key_cache", "value_cache", "block_tables", "seq_lens", "alibi_slopes"])
+def test_out_shares_no_memory_with_an_input(kw, name):
+    # the kernel writes out while other workgroups still read the inputs: out laid over any of
+    # them (the whole tensor, or a query-shaped window into a cache) is refused
+    t = kw[name]
+    need = kw["query"].numel() * kw["query"].element_size()
+    if t.numel() * t.element_size() >= need:
+        window = t.view(-1).view(torch.uint8)[:need].view(kw["query"].dtype).view(kw["query"].shape)
+    else:  # smaller than out: out starts inside a buffer whose head holds this input
+        buf = torch.zeros(need, dtype=torch.uint8)
+        buf[:t.numel() * t.element_size()].copy_(t.view(-1).view(torch.uint8))
+        kw = dict(kw, **{name: buf[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)})
+        window = buf.view(kw["query"].dtype).view(kw["query"].shape)
+    msg = raises(ValueError, "out", kw, out=window)
+    assert f"overlaps {name}" in msg
+
+
+def test_out_next_to_an_input_is_accepted(kw):
+    # one allocation, query then out right after it: adjacent, not overlapping
+    q = kw["query"]
+    buf = torch.empty(2 * q.numel(), dtype=q.dtype)
+    query, out = buf[:q.numel()].view(q.shape), buf[q.numel():].view(q.shape)
+    query.copy_(q)
+    call(kw, query=query, out=out)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_alibi_slopes_finite(kw, bad):
+    slopes = kw["alibi_slopes"].clone()
+    slopes[5] = bad
+    msg = raises(ValueError, "alibi_slopes", kw, alibi_slopes=slopes)
+    assert "alibi_slopes[5]" in msg and "finite" in msg
+    call(kw, alibi_slopes=slopes, check_values=False)  # a value check: skipped with the others
+
+
 # ---- shapes ---------------------------------------------------------------------------------------------
 def test_num_heads_multiple_of_kv_heads():
     kw = make_paged_inputs(2, 6, 3, 64, 16, 20, dtype=torch.float32).as_kwargs()

@@ -68,20 +68,20 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // The tokens of a sequence a launch attends to are at most its grid's and its block-table
-// row's (AttnParams::max_seq_tokens, launch_tokens). Validation refuses longer sequences before
-// a checked launch; an unchecked one, or a graph replayed after seq_lens grew past the length
-// it was sized for, is truncated to its grid. (A sequence longer than its block-table row is
-// invalid input: partials past the row stay unwritten, a wrong result, but every access stays
-// in bounds.)
+// row's (AttnParams / ReduceParams::max_seq_tokens, launch_tokens). Validation refuses longer
+// sequences before a checked launch; an unchecked one, or a graph replayed after seq_lens grew
+// past the length it was sized for, is truncated to its grid and its row: the attention kernel
+// and every reduce agree on the partitions written, so no partial is read unwritten.
 inline int launch_tokens(int max_num_partitions, int partition_size, int max_blocks_per_seq, int block_size) {
   const int64_t grid = (int64_t)max_num_partitions * partition_size, table = (int64_t)max_blocks_per_seq * block_size;
   const int64_t n = grid < table ? grid : table;
   return n < INT32_MAX ? (int)n : INT32_MAX;
 }
-// The partitions a sequence fills, at most the grid's: what the reduce kernels combine.
-CPA_DEVICE int num_partitions_of(int seq_len, int partition_size, int max_num_partitions) {
-  const int np = (seq_len + partition_size - 1) / partition_size;
-  return np < max_num_partitions ? np : max_num_partitions;
+// The partitions the attention kernel wrote for a sequence (its tokens clamped to the launch's,
+// which the grid's partitions cover): what the reduce kernels combine.
+CPA_DEVICE int num_partitions_of(int seq_len, int partition_size, int max_seq_tokens) {
+  const int n = seq_len < max_seq_tokens ? seq_len : max_seq_tokens;
+  return (n + partition_size - 1) / partition_size;
 }
 
 struct AttnParams {
@@ -121,6 +121,7 @@ struct ReduceParams {
   int num_heads;
   int max_num_partitions;
   int partition_size;
+  int max_seq_tokens;  // launch_tokens(), as the attention launch's
 };
 
 template <bool C, class A, class B> struct Pick { using type = A; };
@@ -1053,7 +1054,7 @@ __global__ void __launch_bounds__(kReduceFewThreads) paged_attention_reduce_few_
   const int tid = thread_idx();
   const int head = block_idx_x() * RC::HEADS + tid / RC::GROUP, col = tid % RC::GROUP, seq = block_idx_y();
   if (head >= p.num_heads) return;
-  const int np = num_partitions_of(p.seq_lens[seq], p.partition_size, p.max_num_partitions);
+  const int np = num_partitions_of(p.seq_lens[seq], p.partition_size, p.max_seq_tokens);
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   wait_prior_grid();  // the partials below are the attention kernel's
   float m = -INFINITY, wsum = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -1090,7 +1091,7 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_reduce_kernel(
   __shared__ float max_s[ROWS], sum_s[ROWS];
   __shared__ __attribute__((aligned(16))) float acc_s[ROWS][HEAD];
   const int head = block_idx_x(), seq = block_idx_y(), tid = thread_idx();
-  const int np = num_partitions_of(p.seq_lens[seq], p.partition_size, p.max_num_partitions);
+  const int np = num_partitions_of(p.seq_lens[seq], p.partition_size, p.max_seq_tokens);
   const int64_t base = ((int64_t)seq * p.num_heads + head) * p.max_num_partitions;
   const int col = tid % RC::COLS, row = tid / RC::COLS;
   wait_prior_grid();  // the partials below are the attention kernel's

@@ -235,9 +235,12 @@ int kernel_attributes(int which, int* out) {
   }                                                                                                \
   extern "C" int cpa_reduce(void* out, const float* exp_sums, const float* max_logits,             \
                             const float* tmp_out, const int* seq_lens, int num_seqs,               \
-                            int num_heads, int max_num_partitions, void* stream) {                 \
+                            int num_heads, int max_num_partitions, int max_blocks_per_seq,        \
+                            void* stream) {                                                        \
     cpa::ReduceParams p{out, exp_sums, max_logits, tmp_out, seq_lens, num_heads,                   \
-                        max_num_partitions, PARTITION};                                            \
+                        max_num_partitions, PARTITION,                                             \
+                        cpa::launch_tokens(max_num_partitions, PARTITION, max_blocks_per_seq,      \
+                                           CpaCfg::block_size)};                                            \
     return cpa::launch_reduce<CpaCfg>(p, num_seqs, stream);                                        \
   }                                                                                                \
   extern "C" int cpa_kernel_attributes(int which, int* out) {                                      \

@@ -67,8 +67,10 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
   }                                                                                                \
   extern "C" int cpa_emu_reduce(void* out, const float* exp_sums, const float* max_logits,         \
                                 const float* tmp_out, const int* seq_lens, int num_seqs,           \
-                                int num_heads, int max_num_partitions) {                           \
+                                int num_heads, int max_num_partitions, int max_blocks_per_seq) {   \
     cpa::ReduceParams p{out, exp_sums, max_logits, tmp_out, seq_lens, num_heads,                   \
-                        max_num_partitions, PARTITION};                                            \
+                        max_num_partitions, PARTITION,                                             \
+                        cpa::launch_tokens(max_num_partitions, PARTITION, max_blocks_per_seq,      \
+                                           CpaCfg::block_size)};                                            \
     return cpa_emu::reduce<CpaCfg>(p, num_seqs);                                                   \
   }
