@@ -115,29 +115,37 @@ class Launch:
     attn_args: tuple
     reduce_args: tuple | None
 
+    def __post_init__(self):
+        # read once: each Tensor.device builds a new object, and a call needs the index 2-3 times
+        self.device_index: int = self.out.device.index
+
     @property
     def num_partitions(self) -> int:
         return self.shape.max_num_partitions
 
     def _stream(self) -> int:
-        return current_raw_stream(self.out.device.index)
+        return current_raw_stream(self.device_index)
 
-    def attention(self, stream: int | None = None) -> None:
-        stream = self._stream() if stream is None else stream
-        with on_device(self.out.device.index):
-            self.kernel.check(self.kernel.attention(*self.attn_args, stream), "attention")
+    def _attention(self, stream: int) -> None:
+        self.kernel.check(self.kernel.attention(*self.attn_args, stream), "attention")
 
-    def reduce(self, stream: int | None = None) -> None:
-        if self.reduce_args is None:
-            return
-        stream = self._stream() if stream is None else stream
-        with on_device(self.out.device.index):
+    def _reduce(self, stream: int) -> None:
+        if self.reduce_args is not None:
             self.kernel.check(self.kernel.reduce(*self.reduce_args, stream), "reduce")
 
+    def attention(self, stream: int | None = None) -> None:
+        with on_device(self.device_index):
+            self._attention(self._stream() if stream is None else stream)
+
+    def reduce(self, stream: int | None = None) -> None:
+        with on_device(self.device_index):
+            self._reduce(self._stream() if stream is None else stream)
+
     def __call__(self) -> torch.Tensor:
-        stream = self._stream()
-        self.attention(stream)
-        self.reduce(stream)
+        with on_device(self.device_index):  # (one switch check for both kernels)
+            stream = self._stream()
+            self._attention(stream)
+            self._reduce(stream)
         return self.out
 
 
@@ -192,10 +200,11 @@ def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem:
     fp8 = shape.kv_cache_dtype == "fp8"
     scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
     out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
-    for name, folded in (("scale" + (" x k_scale" if fp8 else ""), scale_log2), ("v_scale", out_scale)):
-        if not abs(folded) <= FLOAT32_MAX:
-            raise ValueError(f"{name}: folded into the kernel's float32 factor it overflows ({folded:.3g} > "
-                             f"{FLOAT32_MAX:.3g})")
+    if not (abs(scale_log2) <= FLOAT32_MAX and abs(out_scale) <= FLOAT32_MAX):  # (also catches NaN)
+        name, folded = (("scale x k_scale" if fp8 else "scale", scale_log2) if not abs(scale_log2) <= FLOAT32_MAX
+                        else ("v_scale", out_scale))
+        raise ValueError(f"{name}: folded into the kernel's float32 factor it overflows ({folded:.3g} > "
+                         f"{FLOAT32_MAX:.3g})")
     kv_head_stride = shape.head_size * shape.block_size * kv_elem
     return scale_log2, out_scale, shape.num_kv_heads * kv_head_stride, kv_head_stride
 

@@ -250,12 +250,13 @@ def validate_paged_attention_args(
             raise ValueError(f"{name}: its data must start at a 16-byte boundary (the kernel loads 16-byte "
                              f"vectors); this view starts {t.data_ptr() % 16} bytes past one (storage offset "
                              f"{t.storage_offset()}): pass a tensor that owns its memory, e.g. .clone()")
-
-    # the kernels write out while reading the rest (the fused reduce and the reduce kernel after
-    # other workgroups read query and the caches): out must share no byte with an input
+    # the kernels write out while other workgroups still read the inputs (the fused reduce, the
+    # reduce kernel): out must share no byte with one (contiguous: each spans [data_ptr, +nbytes))
     if out is not None:
-        for name, t in (("query", query),) + tuple(named[:-1]):
-            if t is not None and _shares_memory(out, t):
+        out_start = out.data_ptr()
+        out_end = out_start + out.nbytes
+        for name, t in [("query", query)] + named[:-1]:
+            if t is not None and t.data_ptr() < out_end and out_start < t.data_ptr() + t.nbytes:
                 raise ValueError(f"out: overlaps {name} in memory; the kernel reads {name} while it writes out, "
                                  f"so out must be a separate tensor (e.g. torch.empty_like(query))")
 
@@ -347,12 +348,6 @@ def validate_paged_attention_args(
         kv_cache_dtype=kv_dtype,
         device=device,
     )
-
-
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors' bytes intersect (pointer arithmetic, no device access)."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _check_values(
