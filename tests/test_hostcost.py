@@ -153,25 +153,43 @@ def test_vs_sdpa_divides_by_the_same_runs_sdpa_call():
     assert math.isnan(alone[0]["vs_sdpa"])
 
 
+def _ab_medians(pattern: str, sha: str, device: str) -> "pd.Series":
+    """Per mode, the median over an A/B's rounds and shapes of the host time against SDPA's
+    eager call of the same run (cpa.hostcost.with_sdpa_ratio)."""
+    from pathlib import Path
+
+    exp = Path(__file__).resolve().parents[1] / "data" / "bench" / "experiments"
+    frames = []
+    for rnd in (1, 2, 3):
+        d = pd.read_csv(exp / pattern.format(sha=sha, rnd=rnd))
+        assert d.git_commit.str.startswith(sha).all() and (d.device_name == device).all() and d.verified.all()
+        for _, g in d.groupby(["num_seqs", "max_seq_len"]):
+            shape_rows = g.to_dict("records")
+            H.with_sdpa_ratio(shape_rows)
+            frames += shape_rows
+    return pd.DataFrame(frames).groupby("mode").vs_sdpa.median()
+
+
 def test_shipped_host_cost_ab_on_one_h200_host():
     """data/bench/experiments/h200-host-cost-ab-*: 7966c37 and b81e29d interleaved on one host;
     against SDPA's eager call of the same run, the medians over rounds and shapes the README
     quotes (single rounds are noisier: in round 1 one shape's unchecked call came out level)."""
-    from pathlib import Path
-
-    exp = Path(__file__).resolve().parents[1] / "data" / "bench" / "experiments"
-    rel = {}
-    for sha in ("7966c37", "b81e29d"):
-        frames = []
-        for rnd in (1, 2, 3):
-            d = pd.read_csv(exp / f"h200-host-cost-ab-{sha}-{rnd}.csv")
-            assert d.git_commit.str.startswith(sha).all() and (d.device_name == "NVIDIA H200").all() and d.verified.all()
-            for _, g in d.groupby(["num_seqs", "max_seq_len"]):
-                shape_rows = g.to_dict("records")
-                H.with_sdpa_ratio(shape_rows)
-                frames += shape_rows
-        rel[sha] = pd.DataFrame(frames).groupby("mode").vs_sdpa.median()
-    old, new = rel["7966c37"], rel["b81e29d"]
+    old, new = (_ab_medians("h200-host-cost-ab-{sha}-{rnd}.csv", sha, "NVIDIA H200") for sha in ("7966c37", "b81e29d"))
     assert round(old["unchecked"], 2) == 2.79 and round(new["unchecked"], 2) == 1.75
     assert round(old["checked"], 1) == 8.3 and round(new["checked"], 1) == 5.9
     assert round(old["prepared"], 2) == 0.43 and round(new["prepared"], 2) == 0.25
+
+
+@pytest.mark.parametrize("ab,before,after,quoted", [
+    ("ab1", "16b1da0", "85de2bc", {"unchecked": (1.76, 1.99), "prepared": (0.26, 0.30), "graph": (0.06, 0.06)}),
+    ("ab2", "16b1da0", "106e0be", {"unchecked": (1.73, 1.93), "prepared": (0.27, 0.34), "graph": (0.08, 0.07)}),
+])
+def test_shipped_host_cost_of_the_audit_checks_on_one_h100_host(ab, before, after, quoted):
+    """data/bench/experiments/h100-host-cost-ab{1,2}-*: the tree before the audit's checks
+    (16b1da0) interleaved with one after them (85de2bc; 106e0be with fewer attribute reads), three
+    rounds each on one H100 host: the medians the README and notes quote (the checks cost the
+    eager call ~0.2x SDPA's eager call; graph replay is untouched)."""
+    old, new = (_ab_medians(f"h100-host-cost-{ab}-{{sha}}-{{rnd}}.csv", sha, "NVIDIA H100 80GB HBM3")
+                for sha in (before, after))
+    for mode, (o, n) in quoted.items():
+        assert (round(old[mode], 2), round(new[mode], 2)) == (o, n), mode
