@@ -96,6 +96,22 @@ def extra_flags() -> list[str]:
     return os.environ.get("CPA_NVCC_FLAGS", "").split()
 
 
+@contextmanager
+def flags_added(flags: str):
+    """CPA_NVCC_FLAGS with ``flags`` appended inside the block (builds, their cache keys and the
+    provenance read it from the environment), then as it was; yields the flags in effect."""
+    old = os.environ.get("CPA_NVCC_FLAGS")
+    now = f"{old or ''} {flags}".strip()
+    os.environ["CPA_NVCC_FLAGS"] = now
+    try:
+        yield now
+    finally:
+        if old is None:
+            os.environ.pop("CPA_NVCC_FLAGS", None)
+        else:
+            os.environ["CPA_NVCC_FLAGS"] = old
+
+
 def staged_loops_flagged() -> bool:
     """Whether CPA_NVCC_FLAGS builds a staged / ring main loop (-DCPA_KV_ASYNC=N, N != 0), which
     keeps fixed partitions (no shared steps)."""

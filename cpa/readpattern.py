@@ -327,20 +327,12 @@ def _mfma16_rows(B, *, sdpa, num_seqs, seq_len, partition_sizes, block_order):
 
 
 def _load_only_rows(B, level, **shape_args):
-    """The bench's mfma16 rows of a ``-DCPA_LOAD_ONLY=level`` build (CPA_NVCC_FLAGS for this call
-    only; builds are keyed by the flags), as kind ``load_only``, ``verified`` False."""
-    import os
+    """The bench's mfma16 rows of a ``-DCPA_LOAD_ONLY=level`` build (added to CPA_NVCC_FLAGS for
+    this call only; builds are keyed by the flags), as kind ``load_only``, ``verified`` False."""
+    from .jit import flags_added
 
-    old = os.environ.get("CPA_NVCC_FLAGS")
-    flags = f"{old or ''} -DCPA_LOAD_ONLY={level}".strip()
-    os.environ["CPA_NVCC_FLAGS"] = flags
-    try:
+    with flags_added(f"-DCPA_LOAD_ONLY={level}") as flags:
         lr = _mfma16_rows(B, sdpa=False, **shape_args)
-    finally:
-        if old is None:
-            os.environ.pop("CPA_NVCC_FLAGS", None)
-        else:
-            os.environ["CPA_NVCC_FLAGS"] = old
     return lr.assign(kind="load_only", pattern=f"mfma16 loads only ({level})", verified=False, build_flags=flags)
 
 

@@ -118,3 +118,20 @@ def test_device_arch_is_asked_once_per_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with __import__("pytest").raises(RuntimeError, match="no GPU"):
         b.device_arch(torch.device("cuda", 2))  # (an unknown device is still asked)
+
+
+def test_flags_added_restores_the_environment(monkeypatch):
+    import pytest
+
+    from cpa.jit import extra_flags, flags_added
+
+    monkeypatch.delenv("CPA_NVCC_FLAGS", raising=False)
+    with pytest.raises(RuntimeError):
+        with flags_added("-DCPA_LOAD_ONLY=1") as now:
+            assert now == "-DCPA_LOAD_ONLY=1" and extra_flags() == ["-DCPA_LOAD_ONLY=1"]
+            raise RuntimeError("a failed build")
+    assert "CPA_NVCC_FLAGS" not in os.environ
+    monkeypatch.setenv("CPA_NVCC_FLAGS", "-DCPA_MIN_BLOCKS=3")
+    with flags_added("-DCPA_LOAD_ONLY=2"):
+        assert extra_flags() == ["-DCPA_MIN_BLOCKS=3", "-DCPA_LOAD_ONLY=2"]
+    assert os.environ["CPA_NVCC_FLAGS"] == "-DCPA_MIN_BLOCKS=3"
