@@ -374,3 +374,26 @@ def test_h100_target2_before_and_after_the_seq_len_clamp():
     assert best.between(0.995, 1.005).all()
     behind = {s for s, r in B.vs_sdpa(new).items() if r < 0.9965}
     assert behind == {s for s in best.index if s[0] * s[1] >= 131072}
+
+
+def test_h100_target2_after_the_reduces_clamp():
+    """data/bench/experiments/h100-target2-5f5aa63.csv: the reduces' clamp to the block-table
+    row (85de2bc) against the 781cf90 run on an H100: the launches named in both within 0.3% by
+    geometric mean, each shape's best within 0.5%, SDPA level; the split as data/bench/README.md
+    quotes it (8 x 16k, behind before at 0.993, now level at 0.997)."""
+    exp = CSV.parent / "experiments"
+    old, new = (pd.read_csv(exp / f"h100-target2-{c}.csv") for c in ("781cf90", "5f5aa63"))
+    assert new.git_commit.str.startswith("5f5aa63").all() and (new.device_name == "NVIDIA H100 80GB HBM3").all()
+    k_old, k_new = (B._explicit(d[d.tiling != "sdpa_cudnn"]) for d in (old, new))
+    assert k_new.verified.all() and len(k_new) == 504
+    key = ["num_seqs", "max_seq_len", "tiling", "partition_size", "fused_reduce", "cluster_reduce"]
+    m = k_old.merge(k_new, on=key, suffixes=("_old", "_new"))
+    assert len(m) == 504 and round(B.geomean(m.time_us_new / m.time_us_old), 4) == 0.9983
+    best = (k_new.groupby(["num_seqs", "max_seq_len"]).time_us.min()
+            / k_old.groupby(["num_seqs", "max_seq_len"]).time_us.min())
+    assert best.between(0.995, 1.005).all()
+    ratio = B.vs_sdpa(new).round(3)
+    behind = {s for s, r in ratio.items() if r < 0.9965}
+    assert behind == {s for s in best.index if s[0] * s[1] >= 131072} - {(8, 16384)}
+    assert ratio[(8, 16384)] == ratio[(1, 65536)] == 0.997
+    assert (ratio.min(), ratio.max()) == (0.976, 1.08)
