@@ -192,6 +192,12 @@ def grid_limit_error(shape: PagedAttentionShape, num_partitions: int, partition_
     return None
 
 
+def _folded_overflow(*folded: tuple[str, float]) -> ValueError:
+    """The error for the first (name, factor) that is not a finite float32."""
+    name, value = next((n, v) for n, v in folded if not abs(v) <= FLOAT32_MAX)
+    return ValueError(f"{name}: folded into the kernel's float32 factor it overflows ({value:.3g} > {FLOAT32_MAX:.3g})")
+
+
 def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem: int) -> tuple:
     """(scale_log2, out_scale, kv_block_stride, kv_head_stride) as the attention kernel takes them:
     logits in log2 units with k_scale folded in, the output factor with v_scale, and the cache
@@ -200,11 +206,8 @@ def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem:
     fp8 = shape.kv_cache_dtype == "fp8"
     scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
     out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
-    if not (abs(scale_log2) <= FLOAT32_MAX and abs(out_scale) <= FLOAT32_MAX):  # (also catches NaN)
-        name, folded = (("scale x k_scale" if fp8 else "scale", scale_log2) if not abs(scale_log2) <= FLOAT32_MAX
-                        else ("v_scale", out_scale))
-        raise ValueError(f"{name}: folded into the kernel's float32 factor it overflows ({folded:.3g} > "
-                         f"{FLOAT32_MAX:.3g})")
+    if not (abs(scale_log2) <= FLOAT32_MAX and abs(out_scale) <= FLOAT32_MAX):  # (NaN fails too)
+        raise _folded_overflow(("scale x k_scale" if fp8 else "scale", scale_log2), ("v_scale", out_scale))
     kv_head_stride = shape.head_size * shape.block_size * kv_elem
     return scale_log2, out_scale, shape.num_kv_heads * kv_head_stride, kv_head_stride
 

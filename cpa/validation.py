@@ -255,8 +255,8 @@ def validate_paged_attention_args(
     if out is not None:
         out_start = out.data_ptr()
         out_end = out_start + out.nbytes
-        for name, t in [("query", query)] + named[:-1]:
-            if t is not None and t.data_ptr() < out_end and out_start < t.data_ptr() + t.nbytes:
+        for name, t in [("query", query)] + named:
+            if t is not None and t is not out and t.data_ptr() < out_end and out_start < t.data_ptr() + t.nbytes:
                 raise ValueError(f"out: overlaps {name} in memory; the kernel reads {name} while it writes out, "
                                  f"so out must be a separate tensor (e.g. torch.empty_like(query))")
 
