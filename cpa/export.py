@@ -103,9 +103,17 @@ def read_tables(paths):
         if not Path(f).is_file():
             raise ValueError(f"--from {f}: no such file")
         try:
-            frames.append(pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f))
+            d = pd.read_parquet(f) if f.endswith(".parquet") else pd.read_csv(f)
         except Exception as e:  # not a table at all
             raise ValueError(f"--from {f}: not a sweep parquet or bench CSV ({type(e).__name__}: {e})")
+        # columns one kind of table has and the other not, filled per table before they are
+        # joined (else the bench rows' NaN would drop them from the filters and groupings):
+        # every bench sequence has max_seq_len tokens, and the GQA ratio follows from the heads
+        if "seq_lens_dist" not in d:
+            d["seq_lens_dist"] = "fixed"
+        if "gqa_ratio" not in d and {"num_heads", "num_kv_heads"} <= set(d.columns):
+            d["gqa_ratio"] = d.num_heads // d.num_kv_heads
+        frames.append(d)
     return pd.concat(frames, ignore_index=True)
 
 
@@ -254,8 +262,13 @@ def lookup(tuned: dict, *, num_seqs: int, num_heads: int, num_kv_heads: int, hea
            dtype: str, kv_cache_dtype: str, max_seq_len: int) -> int:
     """The partition size a tuned result gives one launch (the rule of the module docstring;
     the header's ``cpa_tuned::partition_size`` answers the same)."""
+    from .validation import normalize_kv_cache_dtype
+
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if dtype not in DTYPE_CODES:  # (a misspelt key would otherwise get the fallback silently)
+        raise ValueError(f"dtype: {dtype!r}, expected one of {', '.join(map(repr, DTYPE_CODES))}")
+    kv_cache_dtype = normalize_kv_cache_dtype(kv_cache_dtype)  # 'fp8_e4m3' is 'fp8', as for the kernel
     key = (num_heads // num_kv_heads, head_size, block_size, dtype, kv_cache_dtype)
     cfg = next((c for c in tuned["configs"] if tuple(c[k] for k in CONFIG_KEYS) == key), None)
     if cfg is None:

@@ -90,6 +90,25 @@ def test_lookup_rule():
     assert E.lookup(tuned, num_seqs=1, max_seq_len=1000, **dict(q, kv_cache_dtype="fp8")) == 512  # fallback
     with pytest.raises(ValueError, match="multiple"):
         E.lookup(tuned, num_seqs=1, max_seq_len=1, **dict(q, num_heads=12))
+    # the kernel's spelling of an fp8 cache is the lookup's too; a misspelt key raises instead
+    # of getting the fallback (a launcher would size its partitions from a wrong answer)
+    tuned["configs"].append(dict(tuned["configs"][0], kv_cache_dtype="fp8",
+                                 entries=[dict(kv_seqs=8, max_seq_len=8192, partition_size=8192)]))
+    assert E.lookup(tuned, num_seqs=1, max_seq_len=8192, **dict(q, kv_cache_dtype="fp8_e4m3")) == 8192
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        E.lookup(tuned, num_seqs=1, max_seq_len=8192, **dict(q, kv_cache_dtype="fp8e4m3"))
+    with pytest.raises(ValueError, match="dtype"):
+        E.lookup(tuned, num_seqs=1, max_seq_len=8192, **dict(q, dtype="float16"))
+
+
+def test_a_sweep_table_and_a_bench_csv_export_together(tmp_path):
+    """--from <sweep parquet>,<bench CSV>: the bench rows (no seq_lens_dist, no gqa_ratio column)
+    count beside the sweep's -- every kv_seqs bucket either table measured is in the export."""
+    sweep, bench = ROOT / "data/sweeps/h200-llama70b-decode.parquet", ROOT / "data/bench/h200-kernel.csv"
+    kv = lambda t: {e["kv_seqs"] for c in t["configs"] for e in c["entries"]}  # noqa: E731
+    alone = [E.from_table(E.read_tables([f]), source=str(f)) for f in (sweep, bench)]
+    both = E.from_table(E.read_tables([sweep, bench]), source="both")
+    assert kv(both) == kv(alone[0]) | kv(alone[1]) and kv(alone[1]) - kv(alone[0])
 
 
 def _cxx():
