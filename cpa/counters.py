@@ -200,7 +200,7 @@ def theoretical_occupancy(joined, static=None, spec=None):
 
 #: the raw-page metrics a stalls table keeps, by short name
 STALL_METRICS = {
-    "time_us": "gpu__time_duration.sum",  # ns in the page; converted below
+    "time_us": "gpu__time_duration.sum",  # ns (base units); converted below
     "dram_read_gb": "dram__bytes_read.sum",
     "l2_read_sectors_m": "lts__t_sectors_srcunit_tex_op_read.sum",
     "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
@@ -220,27 +220,23 @@ def read_ncu_raw(path) -> dict:
     """The longest kernel of one ``ncu --csv --page raw`` file (the attention kernel of a
     launch; cuDNN's flash kernel rather than its reduction) as {short name: number} over
     :data:`STALL_METRICS`, plus ``kernel`` and ``top_stalls`` (the six largest warp-stall
-    reasons per issued instruction). ncu's notes and the unit row are skipped; a page without
-    the time column raises ValueError naming the file."""
-    import io
+    reasons per issued instruction). Read by :func:`cpa.profile.parse_ncu_raw_csv` (ncu's notes,
+    program output, the optional units row and "n/a" cells handled there, values in base
+    units); a page with no kernel time raises ValueError naming the file."""
+    from .profile import parse_ncu_raw_csv
 
-    import pandas as pd
-
-    lines = [ln for ln in Path(path).read_text().splitlines(keepends=True) if not ln.startswith("==")]
-    df = pd.read_csv(io.StringIO("".join(lines)), dtype=str) if lines else pd.DataFrame()
-    if "gpu__time_duration.sum" not in df:
-        raise ValueError(f"{path}: not an ncu raw page with gpu__time_duration.sum")
-    df = df.iloc[1:]  # row 0: units
-
-    def num(x):
-        return pd.to_numeric(str(x).replace(",", ""), errors="coerce")
-
-    row = df.loc[df["gpu__time_duration.sum"].map(num).idxmax()]
-    out = {"kernel": str(row.get("Kernel Name", "?"))}
-    for short, col in STALL_METRICS.items():
-        out[short] = num(row[col]) * _SCALE.get(short, 1.0) if col in row else float("nan")
-    stalls = {c.split("issue_stalled_")[1].split("_per_issue")[0]: num(v) for c, v in row.items()
-              if "issue_stalled_" in c and c.endswith("_per_issue_active.ratio")}
+    tidy = parse_ncu_raw_csv(Path(path).read_text())
+    times = tidy[(tidy.metric == "gpu__time_duration.sum") & tidy.value.notna()]
+    if times.empty:
+        raise ValueError(f"{path}: not an ncu raw page with a gpu__time_duration.sum value for any kernel")
+    longest = times.loc[times.value.idxmax()]
+    launch = tidy[tidy.dispatch == longest.dispatch]
+    row = dict(zip(launch.metric, launch.value))
+    out = {"kernel": str(longest.get("kernel", "?"))}
+    for short, metric in STALL_METRICS.items():
+        out[short] = row.get(metric, float("nan")) * _SCALE.get(short, 1.0)
+    stalls = {m.split("issue_stalled_")[1].split("_per_issue")[0]: v for m, v in row.items()
+              if "issue_stalled_" in m and m.endswith("_per_issue_active.ratio")}
     top = sorted(((v, k) for k, v in stalls.items() if v == v), reverse=True)[:6]
     out["top_stalls"] = ", ".join(f"{k} {v:.2f}" for v, k in top)
     return out

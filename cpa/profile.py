@@ -383,7 +383,8 @@ def device_constants(spec) -> dict[str, float]:
 # ================================================================== command builders
 def ncu_command(metrics: Sequence[str], kernel_regex: str, program_argv: Sequence[str], *,
                 clock_control: str = "none", extra: Sequence[str] = ()) -> list[str]:
-    """``ncu --csv --page raw --metrics a,b,c --kernel-name regex:<re> --clock-control <cc> [extra] <program>``.
+    """``ncu --csv --page raw --print-units base --metrics a,b,c --kernel-name regex:<re> --clock-control <cc>
+    [extra] <program>``.
 
     ncu replays each kernel until it has every metric, so one run collects any number of them.
     ``clock_control="none"`` profiles at the clocks the benchmarks run at (ncu's default, ``base``,
@@ -392,7 +393,7 @@ def ncu_command(metrics: Sequence[str], kernel_regex: str, program_argv: Sequenc
         raise ValueError("ncu_command: no metrics")
     if not program_argv:
         raise ValueError("ncu_command: no program to profile")
-    return ["ncu", "--csv", "--page", "raw", "--metrics", ",".join(metrics),
+    return ["ncu", "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics),
             "--kernel-name", f"regex:{kernel_regex}", "--clock-control", clock_control,
             *extra, *program_argv]
 
@@ -599,13 +600,46 @@ def _ncu_number(cell: str) -> float | None:
         return None
 
 
+# ncu's unit prefixes (SI: its Kbyte is 1000 bytes). --print-units base asks for base units (ns,
+# byte, byte/s, hz, cycle); a page printed with ncu's default scaling (usecond, Mbyte, Gbyte/s, ...)
+# is converted to them, so a formula over the values never depends on how the page was printed.
+_SI_PREFIX = {"": 1.0, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_TIME = re.compile(r"^(n|u|m|)(s|sec|second)$")  # a time: to ns in a numerator, to s in a denominator
+_COUNT = re.compile(r"^(k|K|M|G|T|)(byte|cycle|inst|sector|request|warp|thread|block|sample|hz|Hz)$")
+
+
+def _unit_scale(unit: str) -> tuple[float, str]:
+    """(factor, base unit) that turn a value printed in ``unit`` into ncu's base unit; units
+    without a known prefix (%, register/thread, SM, ...) are kept as they are (factor 1)."""
+    num, _, den = unit.partition("/")
+    t = _TIME.match(num)
+    if t:
+        factor, base = _SI_PREFIX[t.group(1)] * 1e9, "ns"
+    else:
+        c = _COUNT.match(num)
+        if not c:
+            return 1.0, unit
+        factor, base = _SI_PREFIX[c.group(1)], c.group(2).lower() if c.group(2) in ("hz", "Hz") else c.group(2)
+    if den:
+        t = _TIME.match(den)
+        if t:  # per second
+            factor, base = factor / _SI_PREFIX[t.group(1)], f"{base}/s"
+        else:
+            c = _COUNT.match(den)
+            if not c:
+                return 1.0, unit
+            factor, base = factor / _SI_PREFIX[c.group(1)], f"{base}/{c.group(2)}"
+    return factor, base
+
+
 def parse_ncu_raw_csv(text: str):
     """Tidy frame from ``ncu --csv --page raw`` output.
 
     The output mixes ``==PROF==`` / ``==WARNING==`` lines (and whatever the program prints) into the
     CSV; the header is the first CSV row starting with ``ID``, an optional units row follows (its ID
     cell is empty), then one row per profiled launch. Columns: dispatch (ncu's ID), kernel, metric,
-    value, unit, pid, context, stream, device, cc, block, grid."""
+    value, unit, pid, context, stream, device, cc, block, grid. Values are in ncu's base units
+    (ns, byte, byte/s, ...) however the page was printed (:func:`_unit_scale`)."""
     import pandas as pd
 
     empty = pd.DataFrame(columns=[*TIDY_COLUMNS, "pid", "context", "stream", "device", "cc", "block", "grid"])
@@ -620,6 +654,7 @@ def parse_ncu_raw_csv(text: str):
         units, body = body[0], body[1:]
     launch_idx = {i: NCU_LAUNCH_COLUMNS[h] for i, h in enumerate(header) if h in NCU_LAUNCH_COLUMNS}
     metric_idx = [i for i, h in enumerate(header) if h not in NCU_LAUNCH_COLUMNS]
+    scales = {i: _unit_scale(units[i]) for i in metric_idx}
 
     records = []
     for r in body:
@@ -631,7 +666,8 @@ def parse_ncu_raw_csv(text: str):
             value = _ncu_number(r[i])
             if value is None:
                 continue
-            records.append({**launch, "metric": header[i], "value": value, "unit": units[i]})
+            factor, unit = scales[i]
+            records.append({**launch, "metric": header[i], "value": value * factor, "unit": unit})
     if not records:
         return empty
     df = pd.DataFrame.from_records(records)

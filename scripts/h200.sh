@@ -184,7 +184,7 @@ PYEOF
           CPA_NVCC_FLAGS="$F" timeout 200 ncu --clock-control none --profile-from-start off $K --section WarpStateStats \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
             --section SchedulerStats --section InstructionStats \
-            --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,dram__bytes_read.sum.per_second --csv --page raw $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
+            --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,smsp__inst_executed.sum,dram__bytes_read.sum.per_second --csv --page raw --print-units base $PY -m cpa.jobs profile-one $T > "$OUT/stalls-$tag.csv" 2>&1
           echo "ncu [$F] [$T] rc=$?"
         done
       done

@@ -344,6 +344,27 @@ def test_read_ncu_raw_refuses_a_page_without_time(tmp_path):
         C.read_ncu_raw(f)
 
 
+def test_read_ncu_raw_takes_what_the_stalls_step_writes(tmp_path):
+    """The stalls step redirects the program's output into the page (2>&1): a line it prints
+    before the header, a page without the units row, units printed scaled, and "n/a" cells all
+    read as ncu meant them -- the longest kernel chosen by its time in base units."""
+    from cpa import counters as C
+
+    head = '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum"\n'
+    rows = '"0","paged_attention_kernel","341.6","1.074"\n"1","paged_attention_reduce_kernel","4.19","n/a"\n'
+    f = tmp_path / "stalls-x.csv"
+    f.write_text('==PROF== Connected\nstep 3/10, "warm"\n' + head + '"","","usecond","Gbyte"\n' + rows)
+    r = C.read_ncu_raw(f)
+    assert r["kernel"] == "paged_attention_kernel" and r["time_us"] == pytest.approx(341.6)
+    assert r["dram_read_gb"] == pytest.approx(1.074)
+    f.write_text(head + rows.replace('"341.6"', '"341600"').replace('"4.19"', '"4190"'))  # no units row:
+    r = C.read_ncu_raw(f)  # the first launch is data, not units (it was dropped as units before)
+    assert r["kernel"] == "paged_attention_kernel" and r["time_us"] == pytest.approx(341.6)
+    f.write_text(head + '"0","k","n/a","1"\n')
+    with pytest.raises(ValueError, match="stalls-x.csv: not an ncu raw page"):
+        C.read_ncu_raw(f)
+
+
 def test_stall_table_at_8x128k_reader_shape_matters():
     """The 8 x 128k pages of 39c06c6: the same DRAM bytes everywhere; a paged reader with 8
     warps per program is faster than the kernel and one with 4 slower, cuDNN fastest."""

@@ -161,11 +161,12 @@ def test_counter_set_validation_checks_schema_and_sets(tmp_path):
 def test_ncu_command_exact_argv():
     argv = P.ncu_command(["gpu__time_duration.sum", "dram__bytes_read.sum"], "paged_attention.*",
                          ["python", "bench.py", "--n", "3"])
-    assert argv == ["ncu", "--csv", "--page", "raw", "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
+    assert argv == ["ncu", "--csv", "--page", "raw", "--print-units", "base",
+                    "--metrics", "gpu__time_duration.sum,dram__bytes_read.sum",
                     "--kernel-name", "regex:paged_attention.*", "--clock-control", "none",
                     "python", "bench.py", "--n", "3"]
     argv = P.ncu_command(["a.sum"], "k", ["prog"], clock_control="base", extra=["--target-processes", "all"])
-    assert argv == ["ncu", "--csv", "--page", "raw", "--metrics", "a.sum", "--kernel-name", "regex:k",
+    assert argv == ["ncu", "--csv", "--page", "raw", "--print-units", "base", "--metrics", "a.sum", "--kernel-name", "regex:k",
                     "--clock-control", "base", "--target-processes", "all", "prog"]
     with pytest.raises(ValueError):
         P.ncu_command([], "k", ["prog"])
@@ -553,3 +554,24 @@ def test_rocprofv3_dispatch_fields_alone_are_refused():
     with pytest.raises(ValueError, match="only dispatch fields"):
         P.profile_rocprofv3(P.load_counter_set("rocprofv3", ["vgprs"]), "k", "/nonexistent", "run", ["true"],
                             timeout=1)
+
+
+def test_ncu_pages_printed_with_scaled_units_read_as_base_units():
+    """ncu's default unit scaling (usecond, Mbyte, Gbyte/s, ...) would give values 10^3-10^6 off
+    a formula written for base units: the parser converts every prefixed unit it knows (ncu's
+    prefixes are SI) and keeps the others as printed."""
+    def page(units, values):
+        head = '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_read.sum.per_second",' \
+               '"sm__cycles_elapsed.avg.per_second","sm__warps_active.avg.pct_of_peak_sustained_active"\n'
+        row = lambda cells: ",".join(f'"{c}"' for c in cells) + "\n"  # noqa: E731
+        return "==PROF== Connected\n" + head + row(["", "", *units]) + row(["0", "paged_attention_kernel", *values])
+
+    base = P.parse_ncu_raw_csv(page(["ns", "byte", "byte/s", "hz", "%"],
+                                    ["125,760", "537,395,200", "4,273,180,000,000", "1,755,000,000", "12.5"]))
+    scaled = P.parse_ncu_raw_csv(page(["usecond", "Mbyte", "Tbyte/second", "Ghz", "%"],
+                                      ["125.76", "537.3952", "4.27318", "1.755", "12.5"]))
+    assert list(scaled.unit) == list(base.unit) == ["ns", "byte", "byte/s", "hz", "%"]
+    for a, b in zip(base.value, scaled.value):
+        assert a == pytest.approx(b, rel=1e-9)
+    assert P._unit_scale("msecond") == (1e6, "ns") and P._unit_scale("Kbyte/usecond") == (1e9, "byte/s")
+    assert P._unit_scale("inst/cycle") == (1.0, "inst/cycle") and P._unit_scale("%/register") == (1.0, "%/register")
