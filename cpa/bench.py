@@ -130,10 +130,19 @@ def resume_state(out_csv, config: str, commit: str):
         raise ValueError("resume needs the CSV to continue (out_csv / --out)")
     if not os.path.exists(out_csv):
         return None, set()
-    old = pd.read_csv(out_csv)
+    try:
+        old = pd.read_csv(out_csv)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise ValueError(f"{out_csv}: not a bench CSV ({type(e).__name__}: {e}); use another --out or run "
+                         "without --resume to overwrite it")
     if "bench_config" not in old:
         raise ValueError(f"{out_csv}: no bench_config column (written before --resume existed); "
                          "use another --out or run without --resume to overwrite it")
+    torn = old[old.bench_config.isna() | old.git_commit.isna()]
+    if len(torn):  # (the bench writes whole files atomically: an edited or damaged file)
+        shapes = sorted({(int(b), int(c)) for b, c in zip(torn.num_seqs, torn.max_seq_len) if b == b and c == c})
+        raise ValueError(f"{out_csv}: {len(torn)} rows without bench_config or git_commit (a damaged file?), at "
+                         f"shapes {shapes}; use another --out or run without --resume to overwrite it")
     configs = set(old.bench_config.dropna())
     if configs != {config}:
         raise ValueError(f"{out_csv} was written with other options ({sorted(configs)}); this run: {config}. "
@@ -172,11 +181,12 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     config = bench_config(tilings=tilings, partition_sizes=partition_sizes, dtype_name=dtype_name, replays=replays,
                           sdpa=sdpa, fused=fused, cluster=cluster, shared=shared, block_order=block_order,
                           default=default)
-    old, done = resume_state(out_csv, config, git_commit()) if resume else (None, set())
+    commit = git_commit(ignore=(os.fspath(out_csv),) if out_csv else ())  # (the table's own changes are not code)
+    old, done = resume_state(out_csv, config, commit) if resume else (None, set())
     if done and all((b, c) in done for b in batches for c in contexts):
         print(f"# {out_csv}: every shape already measured (nothing to resume)")
         return old, dict(read_gbps=float(old.read_gbps_ceiling.iloc[-1]), copy_gbps=float(old.copy_gbps_ceiling.iloc[-1]))
-    prov = provenance()
+    prov = dict(provenance(), git_commit=commit)
     platform, arch = device_arch()
     ceil = ceilings.measure()
     read_gbps = ceil["read_gbps"]
@@ -360,11 +370,10 @@ def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
 
 
 def write_csv_atomic(df, path) -> None:
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    """(cpa.fsio.write_csv_atomic: temporary file, fsync, rename.)"""
+    from .fsio import write_csv_atomic as write
+
+    write(df, path)
 
 
 def summary_table(df):

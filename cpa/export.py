@@ -291,11 +291,9 @@ def load(path) -> dict:
 
 # ------------------------------------------------------------------------------------ writing
 def _atomic_write(path, text: str) -> None:
-    from .sweep import _atomic_write_bytes  # (temporary file, fsync, rename)
+    from .fsio import write_text_atomic  # (temporary file, fsync, rename)
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, text.encode("utf-8"))
+    write_text_atomic(path, text)
 
 
 def to_json(tuned: dict) -> str:

@@ -10,6 +10,7 @@ import sys
 import time
 
 from . import variants as V
+from .fsio import write_csv_atomic
 
 
 def test_variants(platform: str) -> list[V.Variant]:
@@ -218,9 +219,7 @@ def occupancy_check_all(out_csv: str, chunk: int = 128, resume_from: str | None 
             raise RuntimeError(f"{len(errors)} variants failed to build, e.g. {errors[0]['variant']}: "
                                f"{(errors[0]['error'] or '')[-1000:]}")
         table = pd.concat([table, O.h200_check(part)], ignore_index=True)
-        tmp = out_csv + ".tmp"
-        table.to_csv(tmp, index=False)
-        os.replace(tmp, out_csv)
+        write_csv_atomic(table, out_csv)
         print(f"occupancy check: {table.variant.nunique()} variants, {len(table)} kernels, "
               f"{time.time() - t0:.0f} s", flush=True)
     bad = table[~table["match"]]

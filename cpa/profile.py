@@ -956,9 +956,7 @@ def profile_grid(profiler: str, counters: str | Sequence[str], grid: str, out: s
                            ",".join(counters), **{k: prov[k] for k in ("device_name", "driver_version",
                                                                         "torch_version", "git_commit", "timestamp",
                                                                         "command")})
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{os.getpid()}-{out.name}")
-    joined.to_parquet(tmp, index=False)
-    os.replace(tmp, out)
+    from .fsio import write_parquet_atomic
+
+    write_parquet_atomic(joined, out)
     return joined

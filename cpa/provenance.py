@@ -14,8 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @lru_cache(maxsize=None)
-def git_commit() -> str:
-    """The commit the code came from. CPA_GIT_COMMIT wins (the device copy has no .git)."""
+def git_commit(ignore: tuple[str, ...] = ()) -> str:
+    """The commit the code came from, ``-dirty`` when tracked files differ from it. CPA_GIT_COMMIT
+    wins (the device copy has no .git). ``ignore``: files whose changes do not count -- a
+    measurement's own output file when it is tracked (a resumed bench writes the shipped table,
+    and its second part must not call the first part's code dirty)."""
     env = os.environ.get("CPA_GIT_COMMIT")
     if env:
         return env
@@ -25,7 +28,10 @@ def git_commit() -> str:
         commit = out.stdout.strip()
         if not commit:
             return "unknown"
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        inside = [os.path.relpath(os.path.abspath(p), REPO) for p in ignore]
+        spec = [f":(exclude){p}" for p in inside if not p.startswith("..")]
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no",
+                                *(["--", ".", *spec] if spec else [])],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):

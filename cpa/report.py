@@ -60,9 +60,9 @@ def data_banner() -> str:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    from .sweep import _atomic_write_bytes  # (temporary file, fsync, rename)
+    from .fsio import write_text_atomic  # (temporary file, fsync, rename)
 
-    _atomic_write_bytes(path, text.encode("utf-8"))
+    write_text_atomic(path, text)
 
 
 def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str | None = None):

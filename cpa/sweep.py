@@ -94,6 +94,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from .fsio import fsync_dir, write_bytes_atomic
+
 SCHEMA_VERSION = 1
 GRID_SCHEMA = 1
 META_VERSION_KEY = b"cpa.sweep.schema_version"
@@ -856,29 +858,6 @@ def _jsonable(v):
     return str(v)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _normalize(df):
     """Columns in a stable order with stable types (see COLUMN_TYPES)."""
     import pandas as pd
@@ -983,11 +962,11 @@ class ResultStore:
         rec = {"schema_version": SCHEMA_VERSION, "seq": [time.time_ns(), self._seq],
                "row": {k: _jsonable(v) for k, v in row.items()}}
         self.journal.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(self.journal / f"row-{digest}.json", json.dumps(rec).encode())
+        write_bytes_atomic(self.journal / f"row-{digest}.json", json.dumps(rec).encode())
 
     def add_run(self, run: Mapping) -> None:
         self.journal.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(self.journal / f"run-{run['run_id']}.json",
+        write_bytes_atomic(self.journal / f"run-{run['run_id']}.json",
                             json.dumps({k: _jsonable(v) if not isinstance(v, (dict, list)) else v
                                         for k, v in run.items()}).encode())
 
@@ -1081,7 +1060,7 @@ class ResultStore:
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         for p in files:  # a crash before this leaves duplicates, which the next compaction drops
             p.unlink(missing_ok=True)
         return df
@@ -1160,7 +1139,7 @@ def write_ceilings(path: str | os.PathLike, run: Mapping) -> dict:
                  "device_name", "driver_version", "torch_version", "git_commit", "command")}}
     doc["runs"] = [r for r in doc.get("runs", []) if r.get("run_id") != entry["run_id"]] + [entry]
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(path, (json.dumps(doc, indent=1) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(doc, indent=1) + "\n").encode())
     return doc
 
 

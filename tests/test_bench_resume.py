@@ -48,7 +48,7 @@ def test_resume_state_lists_the_finished_shapes(tmp_path):
     assert len(old) == 4
 
 
-@pytest.mark.parametrize("what", ["options", "commit", "no-config", "no-out"])
+@pytest.mark.parametrize("what", ["options", "commit", "no-config", "no-out", "torn", "not-csv"])
 def test_resume_refuses_a_foreign_file_before_any_gpu_work(tmp_path, what):
     cfg = B.bench_config(**OPTS)
     out = tmp_path / "b.csv"
@@ -62,6 +62,13 @@ def test_resume_refuses_a_foreign_file_before_any_gpu_work(tmp_path, what):
     elif what == "no-config":
         _rows(cfg, commit).drop(columns="bench_config").to_csv(out, index=False)
         match = "no bench_config"
+    elif what == "torn":  # the last row cut off before its provenance (a damaged file)
+        text = _rows(cfg, commit, shapes=((1, 512), (1, 2048))).to_csv(index=False)
+        out.write_text(text[:text.rindex("NVIDIA H200")])
+        match = r"rows without bench_config or git_commit .* at shapes \[\(1, 2048\)\]"
+    elif what == "not-csv":
+        out.write_bytes(b"\x00\xff\xfe garbage \x00\n\"unclosed")
+        match = "not a bench CSV"
     else:
         match = "needs the CSV"
     with pytest.raises(ValueError, match=match):
@@ -208,3 +215,33 @@ def test_run_rows_on_a_stand_in_device(monkeypatch, tmp_path):
     assert df[df.tiling != "sdpa_cudnn"].verified.all() and (df.time_us > 0).all()
     assert sum(a["partition_size"] is None for a in asked) == 4 * 2  # the default path: 2 sets per shape
     assert len(B.default_path(df)) == 4
+
+
+def test_a_bench_table_tracked_by_git_does_not_make_its_own_resume_dirty(tmp_path, monkeypatch):
+    """`cpa bench --out data/bench/h200-kernel.csv` rewrites a tracked file, so the tree is dirty
+    when the next part starts: the commit a bench compares and records ignores its own table."""
+    import subprocess
+
+    from cpa import provenance as PV
+
+    repo = tmp_path / "repo"
+    (repo / "data").mkdir(parents=True)
+    table, code = repo / "data" / "t.csv", repo / "code.py"
+    table.write_text("a\n1\n")
+    code.write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "t"], check=True)
+    monkeypatch.setattr(PV, "REPO", repo)
+    monkeypatch.delenv("CPA_GIT_COMMIT", raising=False)
+    PV.git_commit.cache_clear()
+    try:
+        table.write_text("a\n1\n2\n")  # the first part of the bench wrote its table
+        clean = PV.git_commit(ignore=(str(table),))
+        assert len(clean) == 40 and PV.git_commit() == clean + "-dirty"
+        code.write_text("x = 2\n")  # a code change still counts
+        PV.git_commit.cache_clear()
+        assert PV.git_commit(ignore=(str(table),)) == clean + "-dirty"
+    finally:
+        PV.git_commit.cache_clear()
