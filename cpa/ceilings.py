@@ -34,8 +34,10 @@ def measure(nbytes: int = 4 << 30, replays: int = 20, configs=READ_CONFIGS) -> d
     `read_gbps_by_shape`)."""
     import torch
 
+    from .jit import require_gpu
     from .timing import time_graph
 
+    require_gpu("measuring the read and copy ceilings")
     n = nbytes // 2
     x = torch.randn(n, device="cuda", dtype=torch.float16)
     y = torch.empty_like(x)

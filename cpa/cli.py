@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import statistics
 import time
 from typing import Optional
@@ -22,18 +24,53 @@ def _main() -> None:
     """cpa: a workbench for paged-attention decode kernels."""
 
 
+def _is_user_error(e: BaseException) -> bool:
+    """Errors that say what the user asked for cannot be done -- a refused value, a path that
+    cannot be read or written, a missing module or tool, no GPU -- as opposed to a failure
+    inside a run (a kernel error, a bug), which keeps its traceback."""
+    if isinstance(e, RuntimeError):
+        from .jit import NoGPUError
+        from .profile import ProfilerNotFoundError
+        from .static import CompilerMissing
+
+        return isinstance(e, (NoGPUError, ProfilerNotFoundError, CompilerMissing))
+    return isinstance(e, (ValueError, OSError, ImportError))
+
+
+def _command(*args, **kwargs):
+    """app.command, with the user errors a command raises reported as one line and exit code 2
+    (CPA_TRACEBACK=1 re-raises them, for debugging)."""
+    def register(fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            try:
+                return fn(*a, **k)
+            except Exception as e:
+                # typer's own exits and usage errors (typer vendors click in some versions) pass
+                own = type(e).__module__.split(".")[0] in ("typer", "click")
+                if own or os.environ.get("CPA_TRACEBACK") or not _is_user_error(e):
+                    raise
+                typer.echo(f"Error: {e} ({type(e).__name__}; CPA_TRACEBACK=1 shows where)", err=True)
+                raise typer.Exit(2) from None
+        return app.command(*args, **kwargs)(run)
+    return register
+
+
 def _parse_partitions(text: str) -> list[Optional[int]]:
+    """'none' / 'single' (one pass) or positive partition sizes; anything else raises ValueError."""
     out: list[Optional[int]] = []
     for tok in text.split(","):
         tok = tok.strip().lower()
-        if tok in ("none", "single", "0", ""):
+        if tok in ("none", "single"):
             out.append(None)
-        else:
+        elif tok.isdigit() and int(tok) > 0:
             out.append(int(tok))
+        else:
+            raise ValueError(f"partition_sizes: {tok!r} in {text!r} is not 'none' or a positive size")
     return out
 
 
-@app.command()
+@_command()
 def compare(
     device: str = typer.Option("cpu", help="torch device for the reference (cpu, cuda, ...)."),
     seq_lens: str = typer.Option("1024,4096,16384", help="comma-separated context lengths; one batch each."),
@@ -63,10 +100,23 @@ def compare(
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"dtype: got {dtype!r}; allowed: {', '.join(_DTYPES)}")
+    from .validation import validate_paged_attention_args
+
     tdtype = getattr(torch, _DTYPES[dtype])
-    lens = [int(v) for v in seq_lens.split(",") if v.strip()]
+    lens = _ints(seq_lens)
     parts = _parse_partitions(partition_sizes)
+    if not lens or min(lens) < 1 or min(num_seqs, num_heads, num_kv_heads) < 1:
+        raise typer.BadParameter("seq_lens, num_seqs, num_heads and num_kv_heads must be positive")
     dev = torch.device(device)
+    if dev.type == "cuda":
+        from .jit import require_gpu
+
+        require_gpu(f"--device {device}")
+    # every option checked on a one-token batch before the table starts (shape, dtype, sizes)
+    tiny = make_paged_inputs(num_seqs, num_heads, num_kv_heads, head_size, block_size, 1, dtype=tdtype,
+                             kv_cache_dtype=kv_cache_dtype).as_kwargs()
+    for p in parts:
+        validate_paged_attention_args(**tiny, partition_size=p)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
 
     typer.echo(
@@ -106,14 +156,38 @@ def compare(
 
 
 def _ints(text: Optional[str]) -> Optional[list[int]]:
-    return [int(t) for t in text.split(",") if t.strip()] if text else None
+    """Comma-separated integers (None for no text); ValueError naming a token that is not one."""
+    if not text:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{text!r}: expected comma-separated integers") from None
 
 
 def _strs(text: Optional[str]) -> Optional[list[str]]:
     return [t.strip() for t in text.split(",") if t.strip()] if text else None
 
 
-@app.command()
+def _check_jobs(jobs: Optional[int]) -> None:
+    if jobs is not None and jobs < 1:
+        raise typer.BadParameter(f"{jobs}: at least 1 compiler process", param_hint="--jobs")
+
+
+def _check_writable(path: Optional[str], hint: str) -> None:
+    """Before long work: the folder of an output file exists (or can be made) and takes files."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise typer.BadParameter(f"{path}: cannot create its folder ({e})", param_hint=hint) from None
+    if not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise typer.BadParameter(f"{path}: cannot write a file there", param_hint=hint)
+
+
+@_command()
 def bench(
     out: str = typer.Option("data/bench/h200-kernel.csv", help="CSV to write (atomically)."),
     batches: str = typer.Option("1,8,32,128", help="comma-separated batch sizes."),
@@ -192,7 +266,7 @@ def bench(
     print(f"\nwrote {out}")
 
 
-@app.command("host-cost")
+@_command("host-cost")
 def host_cost(
     out: str = typer.Option("data/bench/host-cost.csv", help="CSV to write (atomically)."),
     batches: str = typer.Option("1,8", help="comma-separated batch sizes."),
@@ -225,7 +299,7 @@ def host_cost(
     print(f"\nwrote {out}")
 
 
-@app.command("host-profile")
+@_command("host-profile")
 def host_profile(
     out: str = typer.Option("data/bench/host-profile.csv", help="CSV to write (atomically)."),
     batch: int = typer.Option(8, help="num_seqs."),
@@ -256,7 +330,7 @@ def host_profile(
     print(f"\nwrote {out}")
 
 
-@app.command()
+@_command()
 def prebuild(
     grid: str = typer.Option("tests", help="'tests' (every variant the GPU tests use) or 'bench'."),
     jobs: Optional[int] = typer.Option(None, help="parallel compiler processes (default: all cores)."),
@@ -267,11 +341,14 @@ def prebuild(
     """Compile variants for the visible GPU in parallel into the disk cache."""
     from . import jobs as J
 
+    if grid not in ("tests", "bench"):
+        raise typer.BadParameter(f"{grid!r}: 'tests' or 'bench'", param_hint="--grid")
+    _check_jobs(jobs)
     J.prebuild_main(grid, jobs, tilings=_strs(tilings) if tilings else None,
                     partition_sizes=_ints(partition_sizes) if partition_sizes else None)
 
 
-@app.command()
+@_command()
 def static(
     arch: str = typer.Option(..., help="gfx942, gfx90a or sm_90."),
     out: str = typer.Option(..., help="CSV to write (atomically), one row per variant and kernel."),
@@ -286,6 +363,8 @@ def static(
     from . import static as S
     from . import variants as V
 
+    _check_jobs(jobs)
+    _check_writable(out, "--out")
     filters = {}
     if tilings:
         filters["tilings"] = tuple(_strs(tilings))
@@ -296,7 +375,7 @@ def static(
     try:
         vs = S.variants_for_arch(arch, **filters)
     except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--arch") from None
+        raise typer.BadParameter(str(e)) from None
     try:
         df = S.compile_variants(vs, arch, jobs=jobs, flags=tuple((flags or "").split()))
     except ValueError as e:
@@ -313,7 +392,7 @@ def static(
     typer.echo(f"\n{len(vs)} variants ({V.platform_of_arch(arch)}), {len(df)} kernels -> {out}")
 
 
-@app.command("same-code")
+@_command("same-code")
 def same_code(
     base: str = typer.Option(..., help="git revision whose kernel sources a measurement ran (e.g. a data row's "
                                        "git_commit)."),
@@ -374,7 +453,7 @@ def same_code(
         raise typer.Exit(1)
 
 
-@app.command()
+@_command()
 def sweep(
     grid: str = typer.Option(..., help="shipped grid name (llama70b-decode, gqa-scan, head-size-scan, "
                                        "mixed-lengths) or a YAML file with the same schema (cpa.sweep)."),
@@ -403,6 +482,7 @@ def sweep(
     from . import sweep as SW
 
     g = SW.load_grid(grid).with_variants(_strs(tilings), _ints(partition_sizes))
+    _check_writable(ceilings_json, "--ceilings-json")
     if dry_run:
         typer.echo(f"grid {g.name} ({g.source}): {len(g.points)} points x {len(g.variants())} variants = "
                    f"{len(g.rows())} rows (+ peers)")
@@ -426,7 +506,7 @@ def sweep(
                f"unsupported {int(mine.error.fillna('').astype(str).str.startswith(SW.UNSUPPORTED).sum())}")
 
 
-@app.command("sweep-spread")
+@_command("sweep-spread")
 def sweep_spread(
     a: str = typer.Argument(..., help="results parquet of one run."),
     b: str = typer.Argument(..., help="results parquet of a repeat of (some of) its rows."),
@@ -445,7 +525,7 @@ def sweep_spread(
                f"{over} over {limit:.0%}")
 
 
-@app.command()
+@_command()
 def report(
     out: str = typer.Option("build/report", help="folder for index.html and one page per notebook."),
     notebooks: Optional[str] = typer.Option(None, help="comma-separated notebook .py files (default: all in "
@@ -467,7 +547,7 @@ def report(
         raise typer.Exit(1)
 
 
-@app.command()
+@_command()
 def profile(
     profiler: str = typer.Option(..., help="ncu or rocprofv3 (run as a subprocess)."),
     counters: str = typer.Option("basic", help="a set of profiling/<profiler>.yaml or comma-separated metrics."),
@@ -493,7 +573,7 @@ def profile(
     typer.echo(f"{len(df)} rows -> {out}")
 
 
-@app.command("read-patterns")
+@_command("read-patterns")
 def read_patterns(
     out: str = typer.Option("data/bench/h200-read-patterns.csv", help="CSV to write (atomically)."),
     num_seqs: int = typer.Option(8, help="sequences."),
@@ -520,9 +600,13 @@ def read_patterns(
     from . import bench as B
     from . import readpattern as RP
 
+    _check_writable(out, "--out")
     try:
+        sizes = _ints(partition_sizes)
+        if not sizes:
+            raise ValueError("--partition-sizes: name at least one size")
         configs = tuple(RP.parse_reader_shape(x) for x in _strs(reader_shapes) or []) or RP.READER_CONFIGS
-        df, ceil = RP.run(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=tuple(_ints(partition_sizes)),
+        df, ceil = RP.run(num_seqs=num_seqs, seq_len=seq_len, partition_sizes=tuple(sizes),
                           patterns=tuple(_strs(patterns) or RP.PATTERNS), block_order=block_order, kernel_rows=kernel,
                           kv_cache_dtype=kv_cache_dtype, load_only=tuple(_ints(load_only) or ()), configs=configs)
     except ValueError as e:  # pattern, shape or block order refused before any GPU work
@@ -541,7 +625,7 @@ def read_patterns(
     typer.echo(f"wrote {out}")
 
 
-@app.command("emu")
+@_command("emu")
 def emu_check(
     tilings: str = typer.Option("mfma16,mfma4,scalar", help="comma-separated tilings."),
     partition_sizes: str = typer.Option("256", help="comma-separated partition sizes."),
@@ -557,13 +641,21 @@ def emu_check(
     cpa.reference: the AMD code path executed without an AMD GPU (no timing)."""
     from . import emu
 
-    lens = _ints(seq_lens)
-    if dtype not in ("fp16", "bf16") or not lens:
-        raise typer.BadParameter("dtype must be fp16 or bf16, and seq_lens must name at least one length")
+    from . import variants as V
+    from .validation import normalize_kv_cache_dtype
+
+    lens, names, sizes = _ints(seq_lens), _strs(tilings), _ints(partition_sizes)
+    if dtype not in ("fp16", "bf16") or not lens or min(lens) < 1:
+        raise typer.BadParameter("dtype must be fp16 or bf16, and seq_lens must name positive lengths")
+    if not names or set(names) - set(V.TILINGS):
+        raise typer.BadParameter(f"{tilings!r}: one or more of {', '.join(V.TILINGS)}", param_hint="--tilings")
+    if not sizes:
+        raise typer.BadParameter("name at least one partition size", param_hint="--partition-sizes")
+    normalize_kv_cache_dtype(kv_cache_dtype)
     typer.echo(f"{'variant':<48} {'wave ops':>9} {'seconds':>8} {'rel err':>9}  verdict")
-    bad = 0
-    for tiling in _strs(tilings):
-        for p in _ints(partition_sizes):
+    bad = ran = 0
+    for tiling in names:
+        for p in sizes:
             try:
                 r = emu.check(tiling, p, dtype=dtype, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused)
@@ -575,12 +667,16 @@ def emu_check(
                 bad += 1
                 continue
             bad += not r["ok"]
+            ran += 1
             typer.echo(f"{r['variant']:<48} {r['wave_ops']:>9} {r['seconds']:>8.2f} {r['rel_err']:>9.2e}  "
                        f"{'ok' if r['ok'] else 'WRONG'}")
+    if not ran and not bad:
+        typer.echo("no variant of these options exists for AMD: nothing ran", err=True)
+        raise typer.Exit(2)
     raise typer.Exit(1 if bad else 0)
 
 
-@app.command("export")
+@_command("export")
 def export_tuned(
     from_tables: Optional[str] = typer.Option(None, "--from", help="comma-separated measured tables (sweep parquet "
                                               "or `cpa bench` CSV) of one arch: the tuned result is measured."),
@@ -604,6 +700,10 @@ def export_tuned(
         raise typer.BadParameter("give exactly one of --from (measured tables) and --model (an arch to model)")
     if not (json_out or header_out):
         raise typer.BadParameter("give --json and / or --header: where to write the tuned result")
+    if fixed_cost_scale < 0:
+        raise typer.BadParameter(f"{fixed_cost_scale}: a scale of the fixed costs, >= 0", param_hint="--fixed-cost-scale")
+    _check_writable(json_out, "--json")
+    _check_writable(header_out, "--header")
     try:
         sizes = _ints(partition_sizes)
         if from_tables:

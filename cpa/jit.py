@@ -39,6 +39,19 @@ def cache_root() -> Path:
 _info_by_index: dict[int, tuple[str, str, int]] = {}
 
 
+class NoGPUError(RuntimeError):
+    """A GPU-only operation on a machine where torch sees no GPU (the CLI reports it as a usage
+    error: nothing ran)."""
+
+
+def require_gpu(what: str) -> None:
+    """NoGPUError naming ``what`` unless torch sees a GPU: called before work a GPU must do."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoGPUError(f"{what} needs a GPU; torch sees none (torch.cuda.is_available() is False)")
+
+
 def device_info(device=None) -> tuple[str, str, int]:
     """(platform, arch, compute units) of a torch device: ('cuda', 'sm_90', 132) or
     ('hip', 'gfx942', 304)."""
@@ -49,7 +62,7 @@ def device_info(device=None) -> tuple[str, str, int]:
     if isinstance(device, torch.device) and device.type == "cuda" and device.index in _info_by_index:
         return _info_by_index[device.index]
     if not torch.cuda.is_available():
-        raise RuntimeError("no GPU is visible to torch (torch.cuda.is_available() is False)")
+        raise NoGPUError("no GPU is visible to torch (torch.cuda.is_available() is False)")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     if dev.type != "cuda":
         raise ValueError(f"device={dev} is not a GPU device")

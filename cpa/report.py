@@ -70,7 +70,7 @@ def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str |
     import jupytext
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = jupytext.read(src)
     if banner:
@@ -80,7 +80,8 @@ def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str |
     error = None
     try:
         client.execute()
-    except CellExecutionError as e:  # keep what ran: the page shows the failing cell and its traceback
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:  # keep what ran: the page shows
+        # the failing cell and its traceback (a timeout or a dead kernel fails that page, not the report)
         error = str(e).strip().splitlines()[-1][:500] if str(e).strip() else type(e).__name__
     nbformat.write(nb, str(out_dir / f"{src.stem}.ipynb"))
     return nb, error

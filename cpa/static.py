@@ -346,5 +346,13 @@ def check_knob_flags(flags) -> tuple:
 
 
 def variants_for_arch(arch: str, **filters):
+    """Every valid variant of the arch's platform, narrowed by ``filters`` (all_variants' keyword
+    arguments); ValueError for an unknown tiling or a selection with no variant."""
     check_arch(arch)
-    return list(V.all_variants(V.platform_of_arch(arch), **filters))
+    unknown = set(filters.get("tilings") or ()) - set(V.TILINGS)
+    if unknown:
+        raise ValueError(f"tilings {sorted(unknown)}: not one of {', '.join(V.TILINGS)}")
+    vs = list(V.all_variants(V.platform_of_arch(arch), **filters))
+    if not vs:
+        raise ValueError(f"no {arch} variant has {filters}")
+    return vs

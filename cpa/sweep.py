@@ -837,6 +837,9 @@ def make_runner(kind: str = "auto", *, replays: int | None = None, peers: Sequen
 
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
+        from .jit import require_gpu
+
+        require_gpu("runner 'cuda'")
         return CudaRunner(replays=replays or 30, peers=peers)
     if kind == "cpu":
         return ReferenceRunner(replays=replays or 5)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from cpa.cli import app
@@ -86,3 +88,54 @@ def test_host_profile_refuses_a_mode_it_cannot_profile(tmp_path):
     res = CliRunner().invoke(app, ["host-profile", "--mode", "graph", "--out", str(out)])
     text = res.output + str(res.stderr if res.stderr_bytes else "")
     assert res.exit_code == 2 and "graph" in text and not out.exists(), res.output
+
+
+def _blocked_path(tmp_path, name):
+    """A path whose folder cannot exist: it would be inside a regular file."""
+    (tmp_path / "a-file").write_text("x")
+    return str(tmp_path / "a-file" / name)
+
+
+BAD_INPUT = [
+    (["compare", "--seq-lens", "0"], "must be positive"),
+    (["compare", "--num-kv-heads", "0"], "must be positive"),
+    (["compare", "--partition-sizes", "256,,512"], "is not 'none' or a positive size"),
+    (["compare", "--partition-sizes", "8"], "partition_size"),
+    (["compare", "--block-size", "7"], "block_size"),
+    (["compare", "--seq-lens", "a"], "comma-separated integers"),
+    (["prebuild", "--grid", "nosuch"], "'tests' or 'bench'"),
+    (["prebuild", "--jobs", "0"], "at least 1"),
+    (["static", "--arch", "gfx942", "--out", "{tmp}/s.csv", "--tilings", "nosuch"], "not one of"),
+    (["static", "--arch", "gfx942", "--out", "{tmp}/s.csv", "--head-sizes", "100"], "no gfx942 variant"),
+    (["static", "--arch", "gfx942", "--out", "{tmp}/s.csv", "--jobs", "-1"], "at least 1"),
+    (["static", "--arch", "gfx942", "--out", "{blocked}"], "cannot create its folder"),
+    (["emu", "--tilings", "nosuch"], "--tilings"),
+    (["export", "--model", "gfx942", "--json", "{tmp}/e.json", "--fixed-cost-scale", "-1"], ">= 0"),
+    (["export", "--model", "gfx942", "--json", "{blocked}"], "cannot create its folder"),
+    (["sweep", "--grid", "nosuch", "--out", "{tmp}/s.parquet"], "nosuch"),
+    (["sweep-spread", "{tmp}/none-a.parquet", "{tmp}/none-b.parquet"], "none-a.parquet (FileNotFoundError"),
+    (["read-patterns", "--partition-sizes", "", "--out", "{tmp}/r.csv"], "at least one size"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT, ids=[" ".join(a[:3]) for a, _ in BAD_INPUT])
+def test_bad_input_is_a_usage_error_not_a_traceback(tmp_path, args, message):
+    """Every command turns a refused value, a path it cannot use or an unknown name into exit
+    code 2 and one message -- before any long work, and never a Python traceback."""
+    args = [a.format(tmp=tmp_path, blocked=_blocked_path(tmp_path, "x.out")) for a in args]
+    res = CliRunner().invoke(app, args)
+    text = " ".join(res.output.replace("│", " ").split())  # (typer's error box wraps lines)
+    assert res.exit_code == 2, res.output
+    assert message in text and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+@pytest.mark.parametrize("args", [["compare", "--device", "cuda"],
+                                  ["bench", "--batches", "1", "--contexts", "512", "--out", "{tmp}/b.csv"],
+                                  ["read-patterns", "--out", "{tmp}/r.csv"],
+                                  ["sweep", "--grid", "llama70b-decode", "--runner", "cuda", "--out", "{tmp}/s.parquet"]],
+                         ids=["compare", "bench", "read-patterns", "sweep"])
+def test_gpu_commands_without_a_gpu_say_so(tmp_path, args):
+    res = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args])
+    assert res.exit_code == 2, res.output
+    assert "GPU" in res.output and "Traceback" not in res.output, res.output

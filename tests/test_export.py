@@ -201,7 +201,7 @@ def test_cli_export(tmp_path):
                      (["--from", str(tmp_path / "none.csv"), "--json", "j"], "no such file"),
                      (["--model", "gfx942", "--tilings", "mfma4", "--json", "j"], "--tilings is for --from"),
                      (["--from", str(SWEEPS / "h200-ceilings.json"), "--json", "j"], "no column"),
-                     (["--model", "gfx942", "--partition-sizes", "abc", "--json", "j"], "invalid literal"),
+                     (["--model", "gfx942", "--partition-sizes", "abc", "--json", "j"], "comma-separated integers"),
                      (["--model", "gfx999", "--json", "j"], "gfx999")):
         r = CliRunner().invoke(app, ["export", *bad])
         assert r.exit_code != 0 and msg in r.output, (bad, r.output)

@@ -159,3 +159,14 @@ def test_report_exports_the_tuned_parameters(report):
         assert (out / "tuned" / f"{name}.h").read_text().count("namespace cpa_tuned {") == 1
     assert "modeled for gfx942 (AMD Instinct MI300X), not measured there" in index
     assert "measured on NVIDIA H200 (sm_90)" in index
+
+
+def test_a_cell_that_times_out_fails_its_page_not_the_report(tmp_path):
+    """nbclient's cell timeout is not a CellExecutionError: it used to escape run_notebook and
+    lose every page of the report."""
+    from cpa import report as R
+
+    src = tmp_path / "slow.py"
+    src.write_text("# %%\nimport time\ntime.sleep(30)\n")
+    nb, error = R.run_notebook(src, tmp_path, timeout=2)
+    assert error and (tmp_path / "slow.ipynb").exists()
