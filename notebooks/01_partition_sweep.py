@@ -154,15 +154,20 @@ with pd.option_context("display.precision", 4):
 
 # %% [markdown]
 # ### The same domain on an H100
-# The split is not one card's. The same call on an H100 at today's kernels
-# (`data/bench/experiments/h100-target2-089eec7.csv`; **measured on an H100**, not the target's
-# card, with its own SDPA in the run) divides the domain the same way: ahead of SDPA where the
-# batch holds fewer than 128k tokens, behind where it holds more. Each cell is target 2's count,
-# SDPA time over the fastest verified CPA launch (`cpa.bench.vs_sdpa`).
+# The split is not one card's. The same call on an H100 with the H200 table's kernels
+# (`data/bench/experiments/h100-target2-089eec7.csv`, the sm_90 machine code of b81e29d;
+# **measured on an H100**, not the target's card, with its own SDPA in the run) divides the
+# domain the same way: ahead of SDPA where the batch holds fewer than 128k tokens, behind where
+# it holds more. The last column is the same call at today's kernels (5f5aa63: each sequence
+# clamped to the tokens its launch covers), whose launches take 0.998x their time before: the
+# same split, 8 x 16k level this time. Each cell is target 2's count, SDPA time over the
+# fastest verified CPA launch (`cpa.bench.vs_sdpa`).
 
 # %%
 h100_t2 = pd.read_csv(B.EXPERIMENTS / "h100-target2-089eec7.csv")
-both = pd.concat({"H200": B.vs_sdpa(t2), "H100": B.vs_sdpa(h100_t2)}, axis=1)
+h100_now = pd.read_csv(B.EXPERIMENTS / "h100-target2-5f5aa63.csv")
+both = pd.concat({"H200": B.vs_sdpa(t2), "H100": B.vs_sdpa(h100_t2), "H100, today's kernels": B.vs_sdpa(h100_now)},
+                 axis=1)
 both.index.names = ["batch", "context"]
 with pd.option_context("display.precision", 3):
     display(both.unstack("batch"))
