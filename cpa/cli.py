@@ -338,14 +338,16 @@ def prebuild(
     partition_sizes: Optional[str] = typer.Option(None, help="comma-separated partition sizes: only these "
                                                   "(default: all)."),
 ) -> None:
-    """Compile variants for the visible GPU in parallel into the disk cache."""
+    """Compile variants for the visible GPU in parallel into the disk cache (exit status 1 if any failed)."""
     from . import jobs as J
 
     if grid not in ("tests", "bench"):
         raise typer.BadParameter(f"{grid!r}: 'tests' or 'bench'", param_hint="--grid")
     _check_jobs(jobs)
-    J.prebuild_main(grid, jobs, tilings=_strs(tilings) if tilings else None,
-                    partition_sizes=_ints(partition_sizes) if partition_sizes else None)
+    rows = J.prebuild_main(grid, jobs, tilings=_strs(tilings) if tilings else None,
+                           partition_sizes=_ints(partition_sizes) if partition_sizes else None)
+    if any(r["error"] for r in rows):  # (printed above, variant by variant)
+        raise typer.Exit(1)
 
 
 @_command()
@@ -358,6 +360,9 @@ def static(
     head_sizes: Optional[str] = typer.Option(None, help="comma-separated head sizes (default: all)."),
     flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions for a knob's build "
                                         "(e.g. '-DCPA_MIN_BLOCKS=1'; column `build_flags`)."),
+    shared_steps: bool = typer.Option(False, "--shared-steps", help="compile the shared-steps attention kernels "
+                                      "(ops.prepare(shared_steps=True)) of the variants that can share their "
+                                      "steps, instead of the fixed partitions' (column `shared_steps`)."),
 ) -> None:
     """Compile every valid variant for an arch (no GPU) and record resources and instruction mix."""
     from . import static as S
@@ -374,10 +379,13 @@ def static(
         filters["head_sizes"] = tuple(_ints(head_sizes))
     try:
         vs = S.variants_for_arch(arch, **filters)
+        if shared_steps and not any(V.shared_steps_unsupported(v) is None for v in vs):
+            raise ValueError("--shared-steps: none of the selected variants can share its steps (each wave needs "
+                             f">= {V.SHARED_STEPS_MIN_STEPS_PER_WAVE} steps of its partition)")
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     try:
-        df = S.compile_variants(vs, arch, jobs=jobs, flags=tuple((flags or "").split()))
+        df = S.compile_variants(vs, arch, jobs=jobs, flags=tuple((flags or "").split()), shared_steps=shared_steps)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--flags") from None
     from .bench import write_csv_atomic
@@ -389,7 +397,9 @@ def static(
             if c in att]
     sel = att[(att.head_size == 128) & (att.block_size == 16)][cols]
     typer.echo(sel.to_string(index=False))
-    typer.echo(f"\n{len(vs)} variants ({V.platform_of_arch(arch)}), {len(df)} kernels -> {out}")
+    n = len(att)
+    typer.echo(f"\n{n} variants ({V.platform_of_arch(arch)}{', shared steps' if shared_steps else ''}), "
+               f"{len(df)} kernels -> {out}")
 
 
 @_command("same-code")

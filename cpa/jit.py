@@ -80,25 +80,40 @@ def device_arch(device=None) -> tuple[str, str]:
     return device_info(device)[:2]
 
 
+def _compiler_path(platform: str) -> str:
+    """The compiler torch.utils.cpp_extension runs for the build: PYTORCH_NVCC if set, else
+    CUDA_HOME/bin/nvcc or ROCM_HOME/bin/hipcc (a bare name on PATH where torch found no home)."""
+    if os.environ.get("PYTORCH_NVCC"):
+        return os.environ["PYTORCH_NVCC"].split()[-1]  # (torch allows "ccache nvcc")
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.ROCM_HOME if platform == "hip" else cpp_extension.CUDA_HOME
+    exe = "hipcc" if platform == "hip" else "nvcc"
+    return str(Path(home) / "bin" / exe) if home else exe
+
+
 @lru_cache(maxsize=None)
 def _compiler_id(platform: str) -> str:
-    exe = "hipcc" if platform == "hip" else "nvcc"
-    if platform == "cuda":
-        from torch.utils.cpp_extension import CUDA_HOME
-
-        if CUDA_HOME:
-            exe = str(Path(CUDA_HOME) / "bin" / "nvcc")
+    """The build compiler's whole ``--version`` output, hashed (its last line alone is a config
+    file path on ROCm's hipcc, not a version)."""
+    exe = _compiler_path(platform)
     try:
         out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"cannot run the {platform} compiler {exe!r}: {e}") from e
-    return out.strip().splitlines()[-1] if out.strip() else exe
+    text = out.strip() or exe
+    return f"{text.splitlines()[-1][:80]} [{hashlib.sha256(text.encode()).hexdigest()[:16]}]"
+
+
+def _kernel_headers(csrc: Path) -> list[Path]:
+    # (hipify's *_hip.h copies are generated, not sources: a ROCm build once wrote them into csrc)
+    return [p for p in sorted(Path(csrc).glob("*.h")) if not p.name.endswith("_hip.h")]
 
 
 def sources_digest(csrc: Path = CSRC) -> str:
     """sha256 over the kernel headers (*.h) of `csrc`, names and bytes, in name order."""
     h = hashlib.sha256()
-    for p in sorted(Path(csrc).glob("*.h")):
+    for p in _kernel_headers(csrc):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()
@@ -131,17 +146,39 @@ def staged_loops_flagged() -> bool:
     return any(f.startswith("-DCPA_KV_ASYNC=") and f != "-DCPA_KV_ASYNC=0" for f in extra_flags())
 
 
+def build_flags(variant: Variant, arch: str) -> tuple[list[str], list[str]]:
+    """(device-compiler flags, host flags) of a JIT build, include path aside: the arch is named
+    here (nvcc -gencode, hipcc --offload-arch), so torch adds none of its own and no
+    environment variable is set for the build; any sm_XY / sm_XYZ or gfx target works."""
+    flags = ["-O3", "-std=c++17", *extra_flags()]
+    if variant.platform == "cuda":
+        n = arch.removeprefix("sm_")
+        flags += ["-lineinfo", "--expt-relaxed-constexpr", f"-gencode=arch=compute_{n},code=sm_{n}"]
+    else:
+        flags += [f"--offload-arch={arch}"]
+    return flags, ["-O3"]
+
+
+# environment variables the compilers (or torch's build of the command line) read: a change
+# in any of them can change the library
+BUILD_ENV = ("CC", "CXX", "PYTORCH_NVCC", "NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN",
+             "HIPCC_COMPILE_FLAGS_APPEND", "HIPCC_LINK_FLAGS_APPEND")
+
+
 def cache_key(variant: Variant, arch: str) -> str:
     import torch
 
+    cflags, hflags = build_flags(variant, arch)
     parts = {
         "sources": sources_digest(),
         "variant": variant.name,
+        "source": hashlib.sha256(variant.source().encode()).hexdigest(),
         "arch": arch,
         "compiler": _compiler_id(variant.platform),
         "torch": torch.__version__,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
-        "extra_flags": extra_flags(),
+        "flags": [cflags, hflags],
+        "env": {k: os.environ[k] for k in BUILD_ENV if k in os.environ},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -218,65 +255,103 @@ class BuiltKernel:
         return res
 
 
-_loaded: dict[tuple[str, str], BuiltKernel] = {}
+_loaded: dict[tuple, BuiltKernel] = {}
 
 
 def _compile(variant: Variant, arch: str, workdir: Path, verbose: bool) -> Path:
     from torch.utils import cpp_extension
 
+    # the build reads a copy of the headers in its own folder: on ROCm, torch's hipify writes
+    # *_hip.h next to the headers it is given, and the package's folder must stay as it is
+    # (parallel builds would rewrite the same files while others read them)
+    inc = workdir / "csrc"
+    shutil.copytree(CSRC, inc, ignore=shutil.ignore_patterns("*_hip.h", "__pycache__"))
     src = workdir / f"{variant.name.replace('-', '_')}.cu"
     src.write_text(variant.source())
     name = "cpa_" + variant.name.replace("-", "_")
-    flags = ["-O3", "-std=c++17", f"-I{CSRC}", *extra_flags()]
-    env_key, env_val = ("TORCH_CUDA_ARCH_LIST", f"{arch[3]}.{arch[4:]}") if variant.platform == "cuda" \
-        else ("PYTORCH_ROCM_ARCH", arch)
-    if variant.platform == "cuda":
-        flags += ["-lineinfo", "--expt-relaxed-constexpr"]
-    old = os.environ.get(env_key)
-    os.environ[env_key] = env_val
-    try:
-        path = cpp_extension.load(name=name, sources=[str(src)], extra_cuda_cflags=flags, extra_cflags=["-O3"],
-                                  extra_include_paths=[str(CSRC)], build_directory=str(workdir),
-                                  is_python_module=False, verbose=verbose)
-    finally:
-        if old is None:
-            os.environ.pop(env_key, None)
-        else:
-            os.environ[env_key] = old
+    cflags, hflags = build_flags(variant, arch)
+    path = cpp_extension.load(name=name, sources=[str(src)], extra_cuda_cflags=[f"-I{inc}", *cflags],
+                              extra_cflags=hflags, extra_include_paths=[str(inc)], build_directory=str(workdir),
+                              is_python_module=False, verbose=verbose)
     if not path:
         path = workdir / f"{name}.so"
     return Path(path)
+
+
+def _entry_ok(final_dir: Path) -> bool:
+    """A published cache entry whose library is whole: build.json (written last) records the
+    library's size and sha256; a torn or truncated library (a crash between writes, a full disk)
+    must be rebuilt, never loaded (a truncated ELF can kill the process on load)."""
+    try:
+        meta = json.loads((final_dir / "build.json").read_text())
+        lib = final_dir / "kernel.so"
+        if lib.stat().st_size != meta["lib_size"]:
+            return False
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == meta["lib_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _discard(final_dir: Path) -> None:
+    """Move a damaged entry out of the way (renamed first, so no reader sees it half-removed)."""
+    if final_dir.exists():
+        aside = final_dir.with_name(f"{final_dir.name}.bad{os.getpid()}-{time.time_ns()}")
+        os.replace(final_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def compile_variant(variant: Variant, arch: str, *, verbose: bool = False) -> tuple[Path, bool, float]:
     """Compile one variant for `arch` into the disk cache (no GPU needed, no load).
 
     Returns (library path, from_cache, compile seconds)."""
+    from .fsio import fsync_dir, write_bytes_atomic, write_text_atomic
+
     digest = cache_key(variant, arch)
     final_dir = cache_root() / f"{variant.name}-{arch}-{digest}"
     lib_path = final_dir / "kernel.so"
     meta_path = final_dir / "build.json"
-    if meta_path.exists():
+    if meta_path.exists() and _entry_ok(final_dir):
         return lib_path, True, 0.0
     with _file_lock(cache_root() / f"{variant.name}-{arch}-{digest}.lock"):
-        if meta_path.exists():  # another process finished it while we waited
-            return lib_path, True, 0.0
+        if meta_path.exists():
+            if _entry_ok(final_dir):  # another process finished it while we waited
+                return lib_path, True, 0.0
+            _discard(final_dir)
         work = cache_root() / f"{variant.name}-{arch}-{digest}.tmp{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        tb = time.perf_counter()
-        built = _compile(variant, arch, work, verbose)
-        seconds = time.perf_counter() - tb
-        final_dir.mkdir(parents=True, exist_ok=True)
-        tmp_lib = final_dir / f"kernel.so.tmp{os.getpid()}"
-        shutil.copy2(built, tmp_lib)
-        os.replace(tmp_lib, lib_path)
-        tmp_meta = final_dir / f"build.json.tmp{os.getpid()}"
-        tmp_meta.write_text(json.dumps({"variant": variant.as_dict(), "arch": arch, "key": digest,
-                                        "build_seconds": seconds}, indent=1))
-        os.replace(tmp_meta, meta_path)  # the marker last: a library without it is not trusted
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            tb = time.perf_counter()
+            built = _compile(variant, arch, work, verbose)
+            seconds = time.perf_counter() - tb
+            data = built.read_bytes()
+            final_dir.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(lib_path, data)
+            # the marker last: a library without it (or not matching it) is not trusted
+            write_text_atomic(meta_path, json.dumps({
+                "variant": variant.as_dict(), "arch": arch, "key": digest, "build_seconds": seconds,
+                "lib_size": len(data), "lib_sha256": hashlib.sha256(data).hexdigest()}, indent=1))
+            fsync_dir(cache_root())
+        finally:  # a failed or interrupted compile leaves no work folder behind
+            shutil.rmtree(work, ignore_errors=True)
     return lib_path, False, seconds
+
+
+_sources_seen: list = [0.0, None, ""]  # (time of the last look, the headers' stamps, their digest)
+SOURCES_RECHECK_S = 0.5
+
+
+def _sources_now() -> str:
+    """The kernel headers' digest, re-read when their sizes or times change, looked at no more
+    than every SOURCES_RECHECK_S (the eager path calls build() per launch; an edit is found
+    at the next build after it)."""
+    now = time.monotonic()
+    if now - _sources_seen[0] > SOURCES_RECHECK_S:
+        stamps = tuple((p.name, st.st_mtime_ns, st.st_size) for p in _kernel_headers(CSRC) for st in [p.stat()])
+        if stamps != _sources_seen[1]:
+            _sources_seen[1:] = [stamps, sources_digest(CSRC)]
+        _sources_seen[0] = now
+    return _sources_seen[2]
 
 
 def build(variant: Variant, device=None, *, verbose: bool = False) -> BuiltKernel:
@@ -285,11 +360,22 @@ def build(variant: Variant, device=None, *, verbose: bool = False) -> BuiltKerne
     platform, arch = device_arch(device)
     if variant.platform != platform:
         raise ValueError(f"variant {variant.name} is for platform {variant.platform!r}, the device is {platform!r}")
-    key = (variant.name, arch, os.environ.get("CPA_NVCC_FLAGS", ""))  # (the flags key the disk cache too)
+    # kept per build as the disk cache keys it, the cheap parts: the flags, the cache folder and
+    # the headers (an edited header in a running notebook gets a new build, not the loaded one)
+    key = (variant.name, arch, os.environ.get("CPA_NVCC_FLAGS", ""), str(cache_root()), _sources_now())
     if key in _loaded:
         return _loaded[key]
     lib_path, from_cache, seconds = compile_variant(variant, arch, verbose=verbose)
-    lib = ctypes.CDLL(str(lib_path))
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+    except OSError:
+        if not from_cache:
+            raise
+        # a cached library the loader refuses (whole by its checksum, so e.g. a file copied in
+        # from another system): built again once, then trusted or reported
+        _discard(lib_path.parent)
+        lib_path, from_cache, seconds = compile_variant(variant, arch, verbose=verbose)
+        lib = ctypes.CDLL(str(lib_path))
     k = BuiltKernel(variant, arch, lib_path, from_cache, seconds, time.perf_counter() - t0, lib)
     _loaded[key] = k
     return k
@@ -317,10 +403,16 @@ def prebuild(variants, arch: str, *, jobs: int | None = None, progress: bool = T
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(variants), desc=f"build {arch}", unit="variant")
+    from concurrent.futures.process import BrokenProcessPool
+
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        futs = [pool.submit(_compile_one, (v, arch)) for v in variants]
+        futs = {pool.submit(_compile_one, (v, arch)): v for v in variants}
         for f in as_completed(futs):
-            v, from_cache, seconds, err = f.result()
+            try:
+                v, from_cache, seconds, err = f.result()
+            except BrokenProcessPool as e:  # a worker died (killed, out of memory): its variant and
+                # those still queued are reported as not built, the finished rows are kept
+                v, from_cache, seconds, err = futs[f], False, 0.0, f"BrokenProcessPool: {e}"
             rows.append({"variant": v.name, "from_cache": from_cache, "build_seconds": seconds, "error": err})
             if bar:
                 bar.update(1)

@@ -253,7 +253,6 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     if why:
         raise ValueError(why)
     shape = dataclasses.replace(shape, partition_size=variant.partition_size, max_num_partitions=num_partitions)
-    kernel = build(variant, query.device)
     fused = bool(fused_reduce) and num_partitions > 1
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
@@ -266,6 +265,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
         if why:
             raise ValueError(f"shared_steps=True: {why}")
         cluster_reduce = False
+    kernel = build(variant, query.device)  # (after every refusal: a refused call costs no compile)
     cluster = _cluster_size(cluster_reduce, kernel, arch, shape, fused=fused,
                             return_intermediates=return_intermediates, query_device=query.device)
     if fused_reduce is None:

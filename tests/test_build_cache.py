@@ -135,3 +135,209 @@ def test_flags_added_restores_the_environment(monkeypatch):
     with flags_added("-DCPA_LOAD_ONLY=2"):
         assert extra_flags() == ["-DCPA_MIN_BLOCKS=3", "-DCPA_LOAD_ONLY=2"]
     assert os.environ["CPA_NVCC_FLAGS"] == "-DCPA_MIN_BLOCKS=3"
+
+
+# ------------------------------------------------------------------ what the third audit found
+def _fake_build(monkeypatch, tmp_path, log):
+    """compile_variant with a fake compiler writing a known library; returns the variant."""
+    import cpa.jit as b
+    from cpa.variants import Variant
+
+    def fake_compile(variant, arch, work, verbose):
+        log.append(variant.name)
+        out = work / "fake.so"
+        out.write_bytes(b"library bytes " * 100)
+        return out
+
+    monkeypatch.setenv("CPA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(b, "_compile", fake_compile)
+    monkeypatch.setattr(b, "_compiler_id", lambda platform: "fake")
+    return Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
+
+
+def test_a_damaged_cache_entry_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A truncated, emptied or missing library under a valid build.json (a crash between the
+    writes, a full disk) is compiled again: loading a truncated ELF can kill the process."""
+    import cpa.jit as b
+
+    log = []
+    v = _fake_build(monkeypatch, tmp_path, log)
+    path, hit, _ = b.compile_variant(v, "sm_90")
+    assert not hit and b.compile_variant(v, "sm_90")[1] and log == [v.name]
+    for damage in (lambda p: p.write_bytes(p.read_bytes()[:50]), lambda p: p.write_bytes(b""), lambda p: p.unlink(),
+                   lambda p: p.write_bytes(b"X" + p.read_bytes()[1:])):  # (same size, other bytes)
+        damage(path)
+        again, hit, _ = b.compile_variant(v, "sm_90")
+        assert again == path and not hit and path.read_bytes() == b"library bytes " * 100
+    assert len(log) == 5
+    meta = __import__("json").loads((path.parent / "build.json").read_text())
+    assert meta["lib_size"] == 1400 and len(meta["lib_sha256"]) == 64
+    assert not [q for q in (tmp_path / "cache").iterdir() if ".bad" in q.name or ".tmp" in q.name]
+
+
+def test_a_failed_compile_leaves_no_work_folder(monkeypatch, tmp_path):
+    import pytest
+
+    import cpa.jit as b
+
+    v = _fake_build(monkeypatch, tmp_path, [])
+
+    def broken(variant, arch, work, verbose):
+        (work / "obj.o").write_bytes(b"half an object")
+        raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(b, "_compile", broken)
+    with pytest.raises(RuntimeError, match="nvcc failed"):
+        b.compile_variant(v, "sm_90")
+    assert [q.name for q in (tmp_path / "cache").iterdir() if not q.name.endswith(".lock")] == []
+
+
+def test_build_flags_name_the_arch_so_no_environment_is_set(monkeypatch, tmp_path):
+    """The arch goes to the compiler as a flag (torch then adds none): sm_100 / sm_120 build
+    (TORCH_CUDA_ARCH_LIST=1.00 was refused by torch), and no thread sees another's arch through
+    os.environ. The build reads a copy of the headers, so hipify's *_hip.h never land in
+    cpa/csrc (they changed the sources' digest, hence the cache key, after every ROCm build)."""
+    import cpa.jit as b
+    from cpa.variants import Variant
+
+    v = Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
+    assert b.build_flags(v, "sm_90")[0][-1] == "-gencode=arch=compute_90,code=sm_90"
+    assert b.build_flags(v, "sm_100")[0][-1] == "-gencode=arch=compute_100,code=sm_100"
+    assert b.build_flags(v, "sm_120")[0][-1] == "-gencode=arch=compute_120,code=sm_120"
+    from torch.utils import cpp_extension
+
+    assert cpp_extension._get_cuda_arch_flags(b.build_flags(v, "sm_100")[0]) == []  # torch adds no arch of its own
+    h = Variant("mfma16", 256, 128, 16, "fp16", "auto", 16, "hip")
+    assert "--offload-arch=gfx942" in b.build_flags(h, "gfx942")[0]
+    assert cpp_extension._get_rocm_arch_flags(b.build_flags(h, "gfx942")[0]) == ["-fno-gpu-rdc"]
+
+    seen = {}
+
+    def fake_load(name, sources, extra_cuda_cflags, extra_cflags, extra_include_paths, build_directory,
+                  is_python_module, verbose):
+        inc = Path(extra_include_paths[0])
+        seen.update(env={k: os.environ.get(k) for k in ("TORCH_CUDA_ARCH_LIST", "PYTORCH_ROCM_ARCH")},
+                    inc=inc, flags=extra_cuda_cflags)
+        (inc / "launch_hip.h").write_text("// what hipify writes")  # as torch's hipify does on ROCm
+        out = Path(build_directory) / f"{name}.so"
+        out.write_bytes(b"lib")
+        return str(out)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    before = b.sources_digest()
+    work = tmp_path / "work"
+    work.mkdir()
+    b._compile(v, "sm_100", work, False)
+    assert seen["env"] == {"TORCH_CUDA_ARCH_LIST": None, "PYTORCH_ROCM_ARCH": None}
+    assert "-gencode=arch=compute_100,code=sm_100" in seen["flags"] and f"-I{seen['inc']}" in seen["flags"]
+    assert seen["inc"] != b.CSRC and (seen["inc"] / "attention.h").read_bytes() == (b.CSRC / "attention.h").read_bytes()
+    assert not list(b.CSRC.glob("*_hip.h")) and b.sources_digest() == before
+    # a stray generated header is not a source either
+    (seen["inc"] / "attention_hip.h").write_text("x")
+    assert b.sources_digest(seen["inc"]) == b.sources_digest(b.CSRC)
+
+
+def test_cache_key_covers_what_changes_the_library(monkeypatch):
+    """The compilers' own environment variables, the generated source and the flags are in the key."""
+    import cpa.jit as b
+    from cpa.variants import Variant
+
+    monkeypatch.setattr(b, "_compiler_id", lambda platform: "fake")
+    for k in b.BUILD_ENV:
+        monkeypatch.delenv(k, raising=False)
+    v = Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
+    k0 = b.cache_key(v, "sm_90")
+    for k, val in (("NVCC_APPEND_FLAGS", "-G -O0"), ("CC", "clang-19"), ("PYTORCH_NVCC", "ccache nvcc")):
+        monkeypatch.setenv(k, val)
+        assert b.cache_key(v, "sm_90") != k0, k
+        monkeypatch.delenv(k)
+    assert b.cache_key(v, "sm_90") == k0
+    monkeypatch.setattr(Variant, "source", lambda self: "// another entry-point file")
+    assert b.cache_key(v, "sm_90") != k0
+    monkeypatch.undo()
+
+
+def test_compiler_id_is_the_whole_version_text(monkeypatch):
+    """ROCm's hipcc ends its --version with a config-file path: two versions must not share a key."""
+    import subprocess as sp
+
+    import cpa.jit as b
+
+    outs = iter(["HIP version: 6.2.41133\nAMD clang version 18.0.0\nConfiguration file: /opt/rocm/lib/llvm/bin/clang++.cfg\n",
+                 "HIP version: 6.3.42131\nAMD clang version 18.0.0\nConfiguration file: /opt/rocm/lib/llvm/bin/clang++.cfg\n"])
+    monkeypatch.setattr(b, "_compiler_path", lambda platform: "hipcc")
+    monkeypatch.setattr(b.subprocess, "run", lambda *a, **k: sp.CompletedProcess(a, 0, next(outs), ""))
+    b._compiler_id.cache_clear()
+    try:
+        first = b._compiler_id("hip")
+        b._compiler_id.cache_clear()
+        assert b._compiler_id("hip") != first
+    finally:
+        b._compiler_id.cache_clear()
+
+
+def test_an_edited_header_gets_a_new_build_in_the_same_process(monkeypatch, tmp_path):
+    """build()'s in-process memo follows the headers (and the cache folder), not only the variant."""
+    import shutil
+
+    import cpa.jit as b
+    from cpa.variants import Variant
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(b.CSRC, csrc)
+    monkeypatch.setattr(b, "CSRC", csrc)
+    monkeypatch.setattr(b, "SOURCES_RECHECK_S", 0.0)
+    monkeypatch.setattr(b, "_sources_seen", [0.0, None, ""])
+    monkeypatch.setattr(b, "device_arch", lambda device=None: ("cuda", "sm_90"))
+    monkeypatch.setattr(b, "compile_variant", lambda v, arch, verbose=False: (Path("/x.so"), True, 0.0))
+    monkeypatch.setattr(b.ctypes, "CDLL", lambda path: None)
+    monkeypatch.setattr(b, "BuiltKernel", lambda *a: object())
+    monkeypatch.setattr(b, "_loaded", {})
+    monkeypatch.setenv("CPA_CACHE_DIR", str(tmp_path / "c1"))
+    v = Variant("mfma16", 256, 128, 16, "fp16", "auto", 8, "cuda")
+    first = b.build(v)
+    assert b.build(v) is first
+    with open(csrc / "attention.h", "a") as f:
+        f.write("\n// an edit\n")
+    edited = b.build(v)
+    assert edited is not first and b.build(v) is edited
+    monkeypatch.setenv("CPA_CACHE_DIR", str(tmp_path / "c2"))
+    assert b.build(v) is not edited
+
+
+def test_prebuild_keeps_finished_rows_when_a_worker_dies(monkeypatch):
+    """A killed worker (out of memory, a signal) breaks the pool: the finished rows are kept and the
+    lost variants are reported as errors (it used to raise and lose them all)."""
+    import concurrent.futures as cf
+    from concurrent.futures.process import BrokenProcessPool
+
+    import cpa.jit as b
+    from cpa.variants import Variant
+
+    class Pool:
+        def __init__(self, *a, **k):
+            self.n = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def submit(self, fn, args):
+            f = cf.Future()
+            self.n += 1
+            if self.n == 1:
+                f.set_result((args[0], False, 1.5, None))
+            else:
+                f.set_exception(BrokenProcessPool("a child process terminated abruptly"))
+            return f
+
+    monkeypatch.setattr(cf, "ProcessPoolExecutor", Pool)
+    vs = [Variant("mfma16", p, 128, 16, "fp16", "auto", 8, "cuda") for p in (256, 512, 1024)]
+    rows = b.prebuild(vs, "sm_90", jobs=2, progress=False)
+    assert len(rows) == 3
+    ok = [r for r in rows if not r["error"]]
+    assert [r["variant"] for r in ok] == [vs[0].name] and ok[0]["build_seconds"] == 1.5
+    assert all("BrokenProcessPool" in r["error"] for r in rows if r["error"])

@@ -139,3 +139,15 @@ def test_gpu_commands_without_a_gpu_say_so(tmp_path, args):
     res = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in args])
     assert res.exit_code == 2, res.output
     assert "GPU" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_prebuild_exits_nonzero_when_a_variant_fails(monkeypatch):
+    """A prebuild with failed variants prints them and exits 1 (it exited 0, so scripts went on)."""
+    import cpa.jobs as J
+
+    rows = [{"variant": "a", "from_cache": False, "build_seconds": 1.0, "error": None},
+            {"variant": "b", "from_cache": False, "build_seconds": 0.0, "error": "RuntimeError: nvcc failed"}]
+    monkeypatch.setattr(J, "prebuild_main", lambda *a, **k: rows)
+    assert CliRunner().invoke(app, ["prebuild", "--grid", "bench"]).exit_code == 1
+    monkeypatch.setattr(J, "prebuild_main", lambda *a, **k: rows[:1])
+    assert CliRunner().invoke(app, ["prebuild", "--grid", "bench"]).exit_code == 0
