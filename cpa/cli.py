@@ -481,6 +481,8 @@ def sweep(
     dry_run: bool = typer.Option(False, help="print the points and the row count, run nothing."),
     ceilings_json: Optional[str] = typer.Option(None, help="also add this run's measured read/copy ceilings "
                                                            "(with provenance) to this JSON file."),
+    allow_mixed: bool = typer.Option(False, help="with --resume, add rows to a table of another runner, GPU "
+                                                 "model, arch or input seeds (refused by default)."),
 ) -> None:
     """Sweep a grid of decode shapes x tilings x partition sizes (plus peers) into a parquet table.
 
@@ -501,10 +503,13 @@ def sweep(
             typer.echo(f"  {p.point_id}  max {p.max_seq_len}  mean {p.mean_seq_len:.0f}  "
                        f"KV {p.kv_bytes / 2**20:.1f} MiB")
         return
+    if replays is not None and replays < 1:
+        raise typer.BadParameter(f"{replays}: at least 1 replay per timing", param_hint="--replays")
     r = SW.make_runner(runner, replays=replays, peers=_strs(peer_names))
     try:
         df = SW.run_sweep(g, out, runner=r, resume=resume, overwrite=overwrite, retry_errors=retry_errors,
-                          peers=peers, progress=progress, echo=typer.echo, ceilings_json=ceilings_json)
+                          peers=peers, progress=progress, echo=typer.echo, ceilings_json=ceilings_json,
+                          allow_mixed=allow_mixed)
     except FileExistsError as e:
         raise typer.BadParameter(str(e), param_hint="--out") from None
     mine = df[df.grid == g.name]
@@ -574,6 +579,10 @@ def profile(
 
     from . import profile as PR
 
+    if repeats < 1:
+        raise typer.BadParameter(f"{repeats}: at least one launch per (point, variant)", param_hint="--repeats")
+    if timeout <= 0:
+        raise typer.BadParameter(f"{timeout}: a positive number of seconds", param_hint="--timeout")
     sets = PR._load_counter_file(PR.counter_set_path(profiler))["sets"] if profiler in ("ncu", "rocprofv3") else {}
     cs = counters if counters in sets else _strs(counters)
     df = PR.profile_grid(profiler, cs, grid, out, points=points, tilings=_strs(tilings),

@@ -108,13 +108,20 @@ def with_sweep(counters, sweep):
     from .sweep import timed_rows
 
     s = timed_rows(sweep)
-    keep = [*KEYS, "block_size", "mean_seq_len", "attn_time_us", "time_us", "frac_peak_bw", "read_gbps_ceiling",
+    # the point id as well where both tables carry it: mixed-length points can share every
+    # other key (num_seqs, max_seq_len, ...) and must not be joined to each other's rows
+    keys = [*KEYS, *(["point_id"] if "point_id" in counters.columns and "point_id" in s.columns else [])]
+    keep = [*keys, "block_size", "mean_seq_len", "attn_time_us", "time_us", "frac_peak_bw", "read_gbps_ceiling",
             "num_partitions"]
+    dup = s.duplicated(keys)
+    if dup.any():
+        raise ValueError(f"the sweep has {int(dup.sum())} timed rows that share the keys {keys} with another; "
+                         "which one the counters belong to is not known")
     # the sweep's block_size is the KV cache's; the counters' is the kernel's threads per block
-    s = s[[c for c in keep if c in s.columns]].drop_duplicates(list(KEYS)).rename(
-        columns={"block_size": "kv_block_size", "time_us": "sweep_time_us"})
+    s = s[[c for c in keep if c in s.columns]].rename(columns={"block_size": "kv_block_size",
+                                                               "time_us": "sweep_time_us"})
     c = counters.drop(columns=[k for k in ("mean_seq_len",) if k in counters.columns and k in s.columns])
-    d = c.merge(s, on=list(KEYS), how="inner")
+    d = c.merge(s, on=keys, how="inner")
     d["attention_bytes"] = d.apply(attention_bytes, axis=1)
     d["flops"] = d.apply(attention_flops, axis=1)
     d["sweep_attn_gbps"] = d.attention_bytes / (d.attn_time_us * 1e3)

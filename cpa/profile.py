@@ -502,6 +502,13 @@ def _tail(text: str, n: int = STDERR_TAIL_LINES) -> str:
     return "\n".join(text.rstrip("\n").splitlines()[-n:])
 
 
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_profiler(argv: Sequence[str], timeout: float, *, env: Mapping[str, str] | None = None,
                  cwd: str | os.PathLike | None = None) -> ProfilerRun:
     """Run a profiler command (an argument list, no shell) and classify its failures.
@@ -530,14 +537,16 @@ def run_profiler(argv: Sequence[str], timeout: float, *, env: Mapping[str, str] 
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc)
         stdout, stderr = proc.communicate()
         raise ProfilerTimeoutError(f"{tool} did not finish within {timeout:g} s; killed it and the program it ran "
                                    f"({' '.join(argv)})\n{_tail(stderr)}", argv=argv, returncode=proc.returncode,
                                    stdout=stdout, stderr=stderr) from None
+    except BaseException:  # Ctrl-C (the group is in its own session, so the terminal's SIGINT
+        # never reaches it) or any other way out: the profiler and its program go with us
+        _kill_group(proc)
+        proc.wait()
+        raise
 
     rc, both = proc.returncode, stdout + "\n" + stderr
     kw = dict(argv=argv, returncode=rc, stdout=stdout, stderr=stderr)
@@ -749,15 +758,31 @@ def find_rocprofv3_counter_files(out_dir: str | os.PathLike, name: str | None = 
     return sorted(Path(out_dir).rglob(pattern))
 
 
-def read_rocprofv3_counters(out_dir: str | os.PathLike, name: str | None = None):
+def launch_order(tidy):
+    """A tidy frame with ``dispatch`` renumbered 0, 1, 2, ... in the order of its dispatch ids.
+
+    rocprofiler-sdk numbers every kernel dispatch of the process, from 1, before any kernel filter
+    (its queue interceptor's sequence counter), so a filtered file's ``Dispatch_Id`` values skip
+    the other kernels (torch's fills, the input set-up). The k-th kernel that passed the filter is
+    the k-th launch of the profiled program, which is how the harness numbers its mapping (as
+    ncu's ``ID`` does)."""
+    ranks = {d: i for i, d in enumerate(sorted(tidy["dispatch"].unique()))}
+    return tidy.assign(dispatch=tidy["dispatch"].map(ranks).astype("int64"))
+
+
+def read_rocprofv3_counters(out_dir: str | os.PathLike, name: str | None = None, *, renumber: bool = False):
     """All counter_collection CSVs under ``out_dir`` as one tidy frame. Passes are separate runs of
-    the same program, so a (dispatch, metric) seen in several files (the dispatch fields) is kept once."""
+    the same program, so a (dispatch, metric) seen in several files (the dispatch fields) is kept once.
+    ``renumber``: each file's dispatches in launch order (:func:`launch_order`), so that passes
+    agree even where the program's other dispatches differ between runs."""
     import pandas as pd
 
     files = find_rocprofv3_counter_files(out_dir, name)
     if not files:
         return parse_rocprofv3_counter_csv(",".join(ROCPROFV3_COUNTER_COLUMNS) + "\n")
     frames = [parse_rocprofv3_counter_csv(f) for f in files]
+    if renumber:
+        frames = [launch_order(f) for f in frames]
     return pd.concat(frames, ignore_index=True).drop_duplicates(["dispatch", "metric"], keep="first")
 
 
@@ -777,8 +802,9 @@ def profile_ncu(counter_set: CounterSet, kernel_regex: str, program_argv: Sequen
 def profile_rocprofv3(counter_set: CounterSet, kernel_regex: str, out_dir: str | os.PathLike, name: str,
                       program_argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None):
     """Run ``program_argv`` under rocprofv3 once per counter pass (``out_dir/pass_N``) and return the
-    merged tidy frame. Each pass must produce counter rows: none means the kernel filter matched
-    nothing (rocprofv3 itself does not complain)."""
+    merged tidy frame, its dispatches numbered in launch order among the kernels that matched
+    (:func:`launch_order`). Each pass must produce counter rows: none means the kernel filter
+    matched nothing (rocprofv3 itself does not complain)."""
     counters = counter_set.counters
     if not counters:
         raise ValueError("this counter set reads only dispatch fields; rocprofv3 reports those only on counter "
@@ -795,7 +821,7 @@ def profile_rocprofv3(counter_set: CounterSet, kernel_regex: str, out_dir: str |
                 f"rocprofv3 pass {i} ({' '.join(pmc)}) wrote no counter_collection rows under {pass_dir}: no kernel "
                 f"matched --kernel-include-regex {kernel_regex!r}", argv=run.argv, returncode=run.returncode,
                 stdout=run.stdout, stderr=run.stderr)
-    return read_rocprofv3_counters(out_dir, name)
+    return read_rocprofv3_counters(out_dir, name, renumber=True)
 
 
 # ================================================================== derived metrics
@@ -935,6 +961,7 @@ def profile_grid(profiler: str, counters: str | Sequence[str], grid: str, out: s
     cset = load_counter_set(profiler, counters)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="cpa-profile-"))
     work.mkdir(parents=True, exist_ok=True)
+    scratch = work_dir is None  # removed after a run that succeeded (kept to look into after a failure)
     mapping_path = work / "mapping.csv"
     argv = harness_argv(grid, mapping_path, points=points, tilings=tilings, partition_sizes=partition_sizes,
                         repeats=repeats)
@@ -959,4 +986,8 @@ def profile_grid(profiler: str, counters: str | Sequence[str], grid: str, out: s
     from .fsio import write_parquet_atomic
 
     write_parquet_atomic(joined, out)
+    if scratch:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
     return joined

@@ -191,11 +191,14 @@ def _group_key(v: V.Variant):
     return (v.tiling, v.dtype, v.kv_cache_dtype, v.heads_cap)
 
 
-def _tu_source(group: list[V.Variant]) -> str:
+def _tu_source(group: list[V.Variant], shared_steps: bool = False) -> str:
+    """One translation unit: the group's attention kernels (the shared-steps instantiation,
+    STEAL=true, instead of the fixed partitions' where `shared_steps`) and their reduces."""
     lines = ['#include "attention.h"']
     reduces = set()
+    steal = ", true" if shared_steps else ""
     for v in group:
-        lines.append(f"template __global__ void cpa::paged_attention_kernel<cpa::AttnConfig<{v.cpp_config()}>>"
+        lines.append(f"template __global__ void cpa::paged_attention_kernel<cpa::AttnConfig<{v.cpp_config()}>{steal}>"
                      "(cpa::AttnParams);")
         reduces.add((_dt(v), v.head_size))
     for d, h in sorted(reduces):
@@ -220,10 +223,10 @@ def snapshot_sources(dest: Path) -> str:
     return sources_digest(dest)
 
 
-def _compile_amd(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[dict, dict]:
+def _compile_amd(group, arch, work: Path, inc: Path = CSRC, flags=(), shared_steps=False) -> tuple[dict, dict]:
     """clang resource remarks and ISA mix per function; the assembly stays in work/tu.s."""
     src = work / "tu.hip"
-    src.write_text(_tu_source(group))
+    src.write_text(_tu_source(group, shared_steps))
     p = _run([find_clang(), "-x", "hip", "-std=c++17", f"--offload-arch={arch}", "--cuda-device-only", "-O3",
               "-nogpulib", "-Rpass-analysis=kernel-resource-usage", "-S", f"-I{inc}", *flags, str(src), "-o", "tu.s"],
              work)
@@ -232,11 +235,11 @@ def _compile_amd(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[d
     return remarks, {f: amd_mix(m) for f, m in funcs.items()}
 
 
-def _compile_nv(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[dict, dict]:
+def _compile_nv(group, arch, work: Path, inc: Path = CSRC, flags=(), shared_steps=False) -> tuple[dict, dict]:
     """ptxas resources and PTX mix per function; the PTX stays in work/tu.ptx. `flags`: extra
     nvcc options (the kernels' -D knobs)."""
     src = work / "tu.cu"
-    src.write_text(_tu_source(group))
+    src.write_text(_tu_source(group, shared_steps))
     base = [find_nvcc(), "-std=c++17", f"-arch={arch}", "-O3", f"-I{inc}", *flags, str(src)]
     p = _run(base + ["-cubin", "-Xptxas", "-v", "-o", "tu.cubin"], work)
     res = parse_ptxas(p.stderr)
@@ -245,11 +248,12 @@ def _compile_nv(group, arch, work: Path, inc: Path = CSRC, flags=()) -> tuple[di
     return res, {f: ptx_mix(m) for f, m in funcs.items()}
 
 
-def _rows_for_group(group, arch, inc: Path = CSRC, flags=()) -> list[dict]:
+def _rows_for_group(group, arch, inc: Path = CSRC, flags=(), shared_steps=False) -> list[dict]:
     work = Path(tempfile.mkdtemp(prefix="cpa-static-"))
     try:
         amd = arch.startswith("gfx")
-        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work, inc, flags=flags)
+        res, mixes = (_compile_amd if amd else _compile_nv)(group, arch, work, inc, flags=flags,
+                                                            shared_steps=shared_steps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
@@ -264,6 +268,8 @@ def _rows_for_group(group, arch, inc: Path = CSRC, flags=()) -> list[dict]:
             row = dict(arch=arch, tiling=v.tiling, partition_size=v.partition_size, head_size=v.head_size,
                        block_size=v.block_size, dtype=v.dtype, kv_cache_dtype=v.kv_cache_dtype,
                        heads_cap=v.heads_cap, variant=v.name, kernel=kernel, symbol=fn)
+            if shared_steps:  # the default tables keep their columns
+                row["shared_steps"] = True
             if amd:
                 row.update(vgprs=int(r["VGPRs"]), agprs=int(r["AGPRs"]), sgprs=int(r["SGPRs"]),
                            lds_bytes=int(r["LDS Size [bytes/block]"]),
@@ -282,19 +288,27 @@ def _rows_for_group(group, arch, inc: Path = CSRC, flags=()) -> list[dict]:
     return rows
 
 
-def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: bool = True, flags=()):
+def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: bool = True, flags=(),
+                     shared_steps: bool = False):
     """One row per (variant, kernel) as a pandas DataFrame.
 
     The kernel headers are copied once at the start, so every row comes from the same
     sources; their digest is the ``sources_digest`` column. ``flags``: extra compiler flags
     (a knob's build, e.g. ``-DCPA_MIN_BLOCKS=1``), recorded in the ``build_flags`` column ("" for
-    the default build)."""
+    the default build). ``shared_steps``: the attention kernels are the shared-steps
+    instantiation (``ops.prepare(shared_steps=True)``; column ``shared_steps``), and only the
+    variants that can share their steps are compiled (ValueError if none of them can)."""
     import pandas as pd
 
     check_arch(arch)
     flags = check_knob_flags(flags)
     platform = V.platform_of_arch(arch)
     variants = [v for v in variants if v.platform == platform]
+    if shared_steps:
+        variants = [v for v in variants if V.shared_steps_unsupported(v) is None]
+        if not variants:
+            raise ValueError("shared steps: none of the selected variants can share its steps "
+                             f"(each wave needs >= {V.SHARED_STEPS_MIN_STEPS_PER_WAVE} steps of its partition)")
     groups: dict = defaultdict(list)
     for v in variants:
         groups[_group_key(v)].append(v)
@@ -309,7 +323,7 @@ def compile_variants(variants, arch: str, *, jobs: int | None = None, progress: 
     try:
         digest = snapshot_sources(inc)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futs = {pool.submit(_rows_for_group, g, arch, inc, flags): g for g in groups.values()}
+            futs = {pool.submit(_rows_for_group, g, arch, inc, flags, shared_steps): g for g in groups.values()}
             for f in futs:
                 rows.extend(f.result())
                 if bar:

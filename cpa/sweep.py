@@ -210,8 +210,14 @@ def sample_seq_lens(spec: Mapping, n: int, where: str = "seq_lens") -> tuple[tup
     seed = spec.pop("seed")
     lo = spec.pop("min", 1)
     hi = spec.pop("max", None)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seed, lo)) or not isinstance(hi, int):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seed, lo, hi)):
         raise ValueError(f"{where}: seed, min and max must be integers (max is required)")
+
+    def real(key: str, v) -> float:  # a finite number (YAML's .inf / .nan and booleans refused)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}.{key}: expected a finite number, got {v!r}")
+        return float(v)
+
     if not 1 <= lo <= hi:
         raise ValueError(f"{where}: need 1 <= min <= max, got min={lo}, max={hi}")
     rng = random.Random(seed)
@@ -219,26 +225,33 @@ def sample_seq_lens(spec: Mapping, n: int, where: str = "seq_lens") -> tuple[tup
         if "median" in spec and "mu" in spec:
             raise ValueError(f"{where}: give median or mu, not both")
         if "median" in spec:
-            median = float(spec.pop("median"))
+            median = real("median", spec.pop("median"))
             if median <= 0:
                 raise ValueError(f"{where}.median: must be > 0")
             mu, label = math.log(median), f"median={_num(median)}"
         elif "mu" in spec:
-            mu = float(spec.pop("mu"))
+            mu = real("mu", spec.pop("mu"))
             label = f"mu={_num(mu)}"
         else:
             raise ValueError(f"{where}: lognormal needs median (or mu)")
-        sigma = float(spec.pop("sigma", 1.0))
+        sigma = real("sigma", spec.pop("sigma", 1.0))
         if sigma <= 0:
             raise ValueError(f"{where}.sigma: must be > 0")
-        draws = [rng.lognormvariate(mu, sigma) for _ in range(n)]
+
+        def draw() -> float:  # a huge mu or sigma overflows exp(): the draw is clamped to max anyway
+            try:
+                return rng.lognormvariate(mu, sigma)
+            except OverflowError:
+                return math.inf
+
+        draws = [draw() for _ in range(n)]
         desc = f"lognormal({label},sigma={_num(sigma)},min={lo},max={hi},seed={seed})"
     else:
         draws = [rng.uniform(lo, hi) for _ in range(n)]
         desc = f"uniform(min={lo},max={hi},seed={seed})"
     if spec:
         raise ValueError(f"{where}: unknown key(s) {sorted(spec)} for distribution {dist!r}")
-    lens = tuple(min(hi, max(lo, int(round(x)))) for x in draws)
+    lens = tuple(min(hi, max(lo, int(round(x)) if math.isfinite(x) else hi)) for x in draws)
     return lens, desc
 
 
@@ -267,6 +280,14 @@ def make_point(fields: Mapping, where: str = "point") -> Point:
         raise ValueError(f"{where}.kv_cache_dtype: expected auto or fp8, got {f['kv_cache_dtype']!r}")
     if f["num_heads"] % f["num_kv_heads"]:
         raise ValueError(f"{where}.num_heads: {f['num_heads']} is not a multiple of num_kv_heads {f['num_kv_heads']}")
+    from .validation import SUPPORTED_BLOCK_SIZES, SUPPORTED_HEAD_SIZES
+
+    # the op's contract (the reference and the peers run these; a size the CPA kernel lacks makes
+    # its rows "unsupported"): anything else is refused here, not as a failed row of every variant
+    for k, allowed in (("head_size", SUPPORTED_HEAD_SIZES), ("block_size", SUPPORTED_BLOCK_SIZES)):
+        if f[k] not in allowed:
+            raise ValueError(f"{where}.{k}: {f[k]} is not a paged_attention {k.replace('_', ' ')}; "
+                             f"allowed: {tuple(allowed)}")
     x = 16 // (1 if kv == "fp8" else _ELEM[f["dtype"]])
     if f["head_size"] % x:
         raise ValueError(f"{where}.head_size: {f['head_size']} is not a multiple of {x}")
@@ -832,6 +853,8 @@ def _fp8_sets(sets):
 
 def make_runner(kind: str = "auto", *, replays: int | None = None, peers: Sequence[str] | None = None) -> Runner:
     """'auto' (cuda when a GPU is visible, else cpu), 'cuda', 'cpu', or 'module:attr' (a factory or class)."""
+    if replays is not None and (isinstance(replays, bool) or not isinstance(replays, int) or replays < 1):
+        raise ValueError(f"replays={replays!r}: at least 1 replay per timing (None: the runner's default)")
     if kind == "auto":
         import torch
 
@@ -927,6 +950,9 @@ class ResultStore:
             raise RuntimeError(f"{self.path}: another sweep is writing it (lock {self.journal / 'lock'} is held)")
         self._lock_fd = fd
         for stale in self.journal.glob(".tmp-*"):  # temporary files of a killed writer
+            stale.unlink(missing_ok=True)
+        # (and of a compaction killed before its rename: cpa.fsio's .tmp-<pid>-<name> beside the table)
+        for stale in self.path.parent.glob(f".tmp-*-{self.path.name}"):
             stale.unlink(missing_ok=True)
 
     def unlock(self) -> None:
@@ -1149,13 +1175,18 @@ def write_ceilings(path: str | os.PathLike, run: Mapping) -> dict:
 def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None = None, resume: bool = False,
               overwrite: bool = False, retry_errors: bool = False, tilings: Sequence[str] | None = None,
               partition_sizes: Sequence[int] | None = None, peers: bool = True, progress: bool = True,
-              echo: Callable[[str], None] = print, ceilings_json: str | os.PathLike | None = None):
+              echo: Callable[[str], None] = print, ceilings_json: str | os.PathLike | None = None,
+              allow_mixed: bool = False):
     """Run (or resume) a sweep into ``out`` (parquet); returns the whole table as a DataFrame.
 
     Without ``resume`` an existing ``out`` (or journal) is an error unless ``overwrite``.
     With ``resume`` the rows already there are skipped (``retry_errors``: except rows that
-    failed for a reason other than the variant being unsupported). ``ceilings_json``: also
-    record this run's measured read/copy ceilings there (:func:`write_ceilings`).
+    failed for a reason other than the variant being unsupported). A resume is refused
+    (ValueError, before any measurement) where the table's rows are of another runner, GPU
+    model or arch, or of other input seeds for the same point, unless ``allow_mixed``: one
+    table compares rows of one machine. Rows of other commits or torch versions are resumed
+    and named (each row records its own). ``ceilings_json``: also record this run's
+    measured read/copy ceilings there (:func:`write_ceilings`).
     """
     from .provenance import now, provenance
 
@@ -1173,8 +1204,20 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
             store.clear()
         existing = store.compact()
         done = store.keys(existing, retry_errors=retry_errors) if resume else set()
+        seeds = {pt.point_id: grid.point_seed(pt) for pt in grid.points}
+        if resume and not allow_mixed:
+            why = resume_conflicts(existing, runner=runner.name, device_name=provenance()["device_name"],
+                                   seeds=seeds)
+            if why:
+                raise ValueError(f"{out}: cannot resume: {why} (pass allow_mixed=True / --allow-mixed to add "
+                                 "rows of this run anyway)")
 
         meta = runner.begin()
+        if resume and not allow_mixed:
+            why = resume_conflicts(existing, arch=meta.get("arch"))
+            if why:
+                raise ValueError(f"{out}: cannot resume: {why} (pass allow_mixed=True / --allow-mixed to add "
+                                 "rows of this run anyway)")
         peer_rows, skipped = runner.peer_variants() if peers else ([], {})
         for name, why in skipped.items():
             echo(f"sweep: peer {name} skipped: {why}")
@@ -1204,6 +1247,12 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
         total = sum(len(vs) for _, vs in todo)
         if resume:
             echo(f"sweep: resuming: {len(grid.points) * len(variants) - total} rows already done, {total} to run")
+            for col in ("git_commit", "torch_version"):
+                other = sorted({str(c) for c in existing[col].dropna()} - {str(prov[col])}) \
+                    if existing is not None and col in existing.columns else []
+                if other:
+                    echo(f"sweep: the table also holds rows of {col} {', '.join(o[:12] for o in other)} "
+                         f"(this run: {str(prov[col])[:12]}); each row records its own")
         if total and hasattr(runner, "prebuild"):  # parallel cold builds up front (cached ones cost nothing)
             pb = runner.prebuild([(pt, v) for pt, vs in todo for v in vs])
             echo(f"sweep: prebuilt {pb['variants']} variants in {pb['seconds']:.1f} s "
@@ -1254,6 +1303,27 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
     finally:
         store.unlock()
     return df
+
+
+def resume_conflicts(existing, *, runner: str | None = None, device_name: str | None = None,
+                     arch: str | None = None, seeds: Mapping[str, int] | None = None) -> str:
+    """Why the rows already in a table cannot be resumed by this run ("" if they can): rows of
+    another runner, GPU model or arch, or a point whose rows were drawn with another seed."""
+    if existing is None or not len(existing):
+        return ""
+    problems = []
+    for col, want in (("runner", runner), ("device_name", device_name), ("arch", arch)):
+        if want is None or col not in existing.columns:
+            continue
+        other = sorted({str(v) for v in existing[col].dropna()} - {str(want)})
+        if other:
+            problems.append(f"its rows are of {col} {', '.join(map(repr, other))}, this run's is {want!r}")
+    if seeds and "seed" in existing.columns and "point_id" in existing.columns:
+        moved = sorted({str(p) for p, sd in zip(existing["point_id"], existing["seed"])
+                        if p in seeds and sd == sd and int(sd) != int(seeds[p])})
+        if moved:
+            problems.append(f"points {moved[:5]} were measured with other input seeds (the grid's seed changed)")
+    return "; ".join(problems)
 
 
 def _run_row(runner: Runner, state, v: RowVariant) -> dict:

@@ -8,10 +8,13 @@ attention-kernel launch identifiable.
 Every (point, variant) is built first (``cpa.ops.prepare``: the build and the argument checks
 happen before any profiled launch), then its attention kernel is launched ``--repeats`` times,
 alone (the reduce kernel is not launched, so the only kernels matching
-``paged_attention_kernel`` are these). The profilers number the kernels they profile in launch
-order (ncu's ``ID``, rocprofv3's ``Dispatch_Id`` after the filter), so the mapping file lists,
-for the k-th launch, dispatch k and the sweep keys of its row. The harness prints nothing to
-stdout (ncu's CSV goes there); progress goes to stderr.
+``paged_attention_kernel`` are these). The mapping file lists, for the k-th launch, dispatch k
+and the sweep keys of its row: ncu's ``ID`` counts the profiled kernels in launch order; rocprofv3's
+``Dispatch_Id`` counts every dispatch of the process, so cpa.profile renumbers its rows in launch
+order (``launch_order``) before the join. Each launch is the sweep's: the point's KV cache dtype
+(fp8 caches as the sweep makes them, scales 1) and the reduce as a separate launch (no fused or
+cluster combine), so the profiled kernel is the one the sweep timed. The harness prints nothing
+to stdout (ncu's CSV goes there); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ def plan(grid, points, tilings, partition_sizes, repeats: int):
     return [(pt, v, r) for pt in points for v in g.variants() for r in range(repeats)]
 
 
+def launch_kwargs(point) -> dict:
+    """prepare()'s options for a point, as the sweep's CUDA runner launches it: its KV cache
+    dtype, and the reduce as its own launch (two kernels at every point; the fused and cluster
+    combines would profile another attention kernel than the one the sweep timed)."""
+    kw = dict(fused_reduce=False, cluster_reduce=False)
+    if point.kv_cache_dtype == "fp8":
+        kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0)
+    return kw
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grid", required=True)
@@ -72,6 +85,9 @@ def main(argv=None) -> int:
     for pt, runs in by_point.values():
         sets = make_sets(pt.num_seqs, pt.max_seq_len, num_heads=pt.num_heads, num_kv_heads=pt.num_kv_heads,
                          head_size=pt.head_size, block_size=pt.block_size, dtype=pt.torch_dtype(), seed=0)
+        kv_kw = launch_kwargs(pt)
+        if pt.kv_cache_dtype == "fp8":
+            sets = S._fp8_sets(sets)  # (as the sweep's CUDA runner: e4m3 bytes, scales 1)
         seq_lens = torch.tensor(pt.seq_lens, dtype=torch.int32, device="cuda")
         launches = {}
         for v, _ in runs:  # build and check everything before the first profiled launch of the point
@@ -81,8 +97,7 @@ def main(argv=None) -> int:
                 launches[v.label] = prepare(query=sets.queries[0], key_cache=sets.key_cache,
                                             value_cache=sets.value_cache, block_tables=sets.block_tables[0],
                                             seq_lens=seq_lens, scale=sets.scale, partition_size=v.partition_size,
-                                            tiling=v.tiling, max_seq_len=pt.max_seq_len,
-                                            fused_reduce=False)  # attention and reduce: two kernels, each profiled
+                                            tiling=v.tiling, max_seq_len=pt.max_seq_len, **kv_kw)
             except ValueError as e:  # not a variant of this platform / shape: nothing launched, nothing mapped
                 print(f"harness: skip {pt.point_id} {v.label}: {e}", file=sys.stderr)
                 launches[v.label] = None

@@ -378,3 +378,43 @@ def test_stall_table_at_8x128k_reader_shape_matters():
     assert t.loc["default_reader_paged_4x8"].time_us < kern.time_us < t.loc["default_reader_paged_4x4"].time_us
     assert t.loc["default_sdpa_cudnn"].time_us == t.time_us.min()
     assert abs(t.loc["DCPA_LOAD_ONLY_2_mfma16"].time_us / kern.time_us - 1) < 0.005
+
+
+def test_with_sweep_joins_mixed_length_points_by_point_id():
+    """Two mixed-length points can share num_seqs, max_seq_len and every other key: the join uses
+    the point id (it once gave both counter rows the first point's sweep row)."""
+    import pandas as pd
+
+    from cpa import counters as C
+
+    keys = dict(tiling="mfma16", partition_size=256, num_seqs=2, max_seq_len=4000, num_heads=8, num_kv_heads=1,
+                head_size=128, dtype="fp16", kv_cache_dtype="auto")
+    sweep = pd.DataFrame([{**keys, "point_id": "a", "mean_seq_len": 2050.0, "attn_time_us": 10.0, "time_us": 12.0,
+                           "verified": True, "error": None, "block_size": 16},
+                          {**keys, "point_id": "b", "mean_seq_len": 4000.0, "attn_time_us": 20.0, "time_us": 22.0,
+                           "verified": True, "error": None, "block_size": 16}])
+    counters = pd.DataFrame([{**keys, "point_id": "b", "duration_ns": 20000.0},
+                             {**keys, "point_id": "a", "duration_ns": 10000.0}])
+    j = C.with_sweep(counters, sweep).set_index("point_id")
+    assert j.loc["a", "mean_seq_len"] == 2050.0 and j.loc["b", "mean_seq_len"] == 4000.0
+    assert (j.time_ratio == 1.0).all()
+    with pytest.raises(ValueError, match="share the keys"):
+        C.with_sweep(counters, pd.concat([sweep, sweep.iloc[:1]]))
+
+
+def test_shipped_counter_rows_profiled_as_cluster_launches():
+    """data/counters/README.md names the rows the harness of 0e2dc8d profiled as cluster launches
+    (cluster_reduce left at its default): where cluster_default picks the combine on the H200."""
+    c = C.load()
+    assert set(str(x)[:7] for x in c.df.git_commit) == {"0e2dc8d"}
+    parts = -(-c.df.max_seq_len // c.df.partition_size)
+    cluster = [V.cluster_default("sm_90", int(p), int(s), int(k), 132)
+               for p, s, k in zip(parts, c.df.num_seqs, c.df.num_kv_heads)]
+    got = c.df[cluster]
+    assert len(got) == 9 and set(got.tiling) == {"mfma16", "mfma4", "scalar"}
+    assert set(zip(got.num_seqs, got.max_seq_len, got.partition_size)) == {(1, 32768, 4096), (1, 32768, 8192),
+                                                                          (4, 8192, 4096)}
+    sw = A.shipped_sweep_at("llama70b-decode", c.df.git_commit.unique())
+    j = C.with_sweep(got, sw.df)
+    assert j.time_ratio.between(0.9845, 1.0750).all() and j.bw_ratio.between(0.9455, 1.0335).all()
+    assert j.read_ratio.between(1.0005, 1.0008).all()

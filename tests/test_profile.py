@@ -468,20 +468,23 @@ def test_timeout_kills_the_profiler_and_its_program(fake_bin):
 # fake rocprofv3: runs the program after "--" and writes the fixture's rows for the --pmc counters
 # to <-d>/<-o>_counter_collection.csv, as rocprofv3 lays them out
 FAKE_ROCPROFV3 = r"""
-pmc=""; dir=""; name=""
+pmc=""; dir=""; name=""; regex=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --pmc) shift; while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do pmc="$pmc $1"; shift; done; continue;;
     -d) dir="$2"; shift 2; continue;;
     -o) name="$2"; shift 2; continue;;
+    --kernel-include-regex) regex="$2"; shift 2; continue;;
     --) shift; break;;
     *) shift;;
   esac
 done
 "$@"; rc=$?
 mkdir -p "$dir"
-awk -F'"' -v want="$pmc" 'BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) ok[w[i]] = 1 }
-  NR == 1 { print; next } ($6 in ok) { print }' "$FAKE_ROCPROF_CSV" > "$dir/${name}_counter_collection.csv"
+# as rocprofv3: the counters asked for, of the kernels the regex matches, with the process's own
+# dispatch ids (every dispatch counted, the filtered-out FillFunctor too)
+awk -F'"' -v want="$pmc" -v re="$regex" 'BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) ok[w[i]] = 1 }
+  NR == 1 { print; next } ($6 in ok) && $4 ~ re { print }' "$FAKE_ROCPROF_CSV" > "$dir/${name}_counter_collection.csv"
 exit $rc
 """
 LOCK_WARNING = ("W20251107 19:40:11.772000 140736977257600 ioctl.cpp:68] Device 12345 could not be locked for "
@@ -502,8 +505,11 @@ def test_rocprofv3_success_runs_every_pass_and_merges(fake_rocprofv3, tmp_path):
     assert (tmp_path / "prof" / "pass_2" / "run_counter_collection.csv").exists()
     assert set(cs.counters) <= set(tidy["metric"])  # pass 2 supplied WRITE_SIZE and TCC_MISS_sum
     w = P.wide(P.derive(tidy, cs, constants={"MAX_WAVES_PER_CU": 32}))
-    assert w.loc[2, "l2_hit_rate"] == pytest.approx(0.2)
-    assert w.loc[3, "dram_bandwidth"] == pytest.approx((139500 + 2048) * 1024 / 40000e-9)
+    # rocprofv3's Dispatch_Id 2 and 3 (1 was torch's fill, filtered out) are the program's
+    # first and second attention launches: dispatches 0 and 1, as the harness maps them
+    assert list(w.index) == [0, 1] and w.kernel.str.contains("paged_attention_kernel").all()
+    assert w.loc[0, "l2_hit_rate"] == pytest.approx(0.2)
+    assert w.loc[1, "dram_bandwidth"] == pytest.approx((139500 + 2048) * 1024 / 40000e-9)
 
 
 def test_rocprofv3_permission_error_and_warning(fake_bin, fake_rocprofv3, tmp_path):
@@ -575,3 +581,67 @@ def test_ncu_pages_printed_with_scaled_units_read_as_base_units():
         assert a == pytest.approx(b, rel=1e-9)
     assert P._unit_scale("msecond") == (1e6, "ns") and P._unit_scale("Kbyte/usecond") == (1e9, "byte/s")
     assert P._unit_scale("inst/cycle") == (1.0, "inst/cycle") and P._unit_scale("%/register") == (1.0, "%/register")
+
+
+# ------------------------------------------------------------ the sweep/profile audit
+def test_launch_order_renumbers_rocprofv3_dispatch_ids():
+    """rocprofiler-sdk counts every dispatch of the process (torch's fills too) from 1; the
+    harness maps its k-th profiled launch to dispatch k."""
+    tidy = pd.DataFrame({"dispatch": [7, 7, 3, 12], "kernel": ["a", "a", "a", "a"], "metric": ["x", "y", "x", "x"],
+                         "value": [1.0, 2.0, 3.0, 4.0], "unit": [""] * 4})
+    got = P.launch_order(tidy)
+    assert list(got.dispatch) == [1, 1, 0, 2] and list(got.value) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_ctrl_c_takes_the_profiler_and_its_program_down(fake_bin, monkeypatch, tmp_path):
+    """The profiler runs in its own session (so a timeout can kill its whole group), which keeps
+    the terminal's SIGINT from it: an interrupt in cpa must kill the group itself."""
+    import subprocess as sp
+
+    pidfile = tmp_path / "pid"
+    fake_bin("ncu", f"echo $$ > {pidfile}\nsleep 60\n")
+    real = sp.Popen
+
+    class Interrupted(real):
+        def communicate(self, *a, **k):
+            if k.get("timeout"):
+                for _ in range(100):  # (once the script has started)
+                    if pidfile.exists() and pidfile.read_text().strip():
+                        break
+                    time.sleep(0.05)
+                raise KeyboardInterrupt
+            return super().communicate(*a, **k)
+
+    monkeypatch.setattr(P.subprocess, "Popen", Interrupted)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        P.run_profiler(["ncu", "--csv", "true"], timeout=120)
+    assert time.monotonic() - t0 < 20, "the interrupt waited for the profiler to finish its run"
+    pid = int(pidfile.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the profiler (pid {pid}) outlived the interrupt")
+
+
+def test_harness_launches_what_the_sweep_timed():
+    """fp8 points with an fp8 cache and the reduce as its own launch (no cluster or fused combine),
+    as the sweep's CUDA runner: the profiled kernel is the one whose time the counters sit beside."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("harness", P.HARNESS)
+    h = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(h)
+    from cpa import sweep as S
+
+    base = {"num_seqs": 1, "num_heads": 64, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "max_seq_len": 32768}
+    auto, fp8 = S.make_point(base), S.make_point({**base, "kv_cache_dtype": "fp8"})
+    assert h.launch_kwargs(auto) == {"fused_reduce": False, "cluster_reduce": False}
+    assert h.launch_kwargs(fp8) == {"fused_reduce": False, "cluster_reduce": False, "kv_cache_dtype": "fp8",
+                                    "k_scale": 1.0, "v_scale": 1.0}
+    text = P.HARNESS.read_text()
+    assert "S._fp8_sets(sets)" in text and "**kv_kw" in text

@@ -509,3 +509,96 @@ def test_cuda_runner_small_sweep(tmp_path):
     ran = peers[peers.error.isna()]
     assert ran.verified.all(), ran[["tiling", "point_id", "max_rel_err", "note"]]
     assert ran[ran.tiling == "sdpa"].backend.notna().all()
+
+
+# ------------------------------------------------------------ the sweep audit (resume, grid values)
+class _OtherGPU(S.ReferenceRunner):
+    name = "fake-gpu"
+
+    def begin(self) -> dict:
+        return {**super().begin(), "arch": "sm_90"}
+
+
+def test_resume_refuses_rows_of_another_runner_or_seed(tmp_path, tiny):
+    """A resume adds rows only to a table of the same runner, GPU model, arch and input seeds
+    (it mixed a CPU run's rows with a GPU run's, ranked side by side); --allow-mixed opts in."""
+    out = tmp_path / "o.parquet"
+    with pytest.raises(_Crash):
+        _run(tiny, out, runner=_CrashAfter(6, replays=1))
+    counting = _Counting(replays=1)
+    with pytest.raises(ValueError, match="runner 'cpu-reference', this run's is 'fake-gpu'"):
+        _run(tiny, out, runner=type("C", (_OtherGPU, _Counting), {})(replays=1), resume=True)
+    assert len(S.ResultStore(out).compact()) == 6
+    reseeded = tmp_path / "reseeded.yaml"
+    reseeded.write_text(TINY.replace("seed: 3\n", "seed: 4\n", 1))
+    with pytest.raises(ValueError, match="other input seeds"):
+        _run(reseeded, out, runner=counting, resume=True)
+    assert counting.built == [] and len(S.ResultStore(out).compact()) == 6
+    df = _run(tiny, out, runner=_OtherGPU(replays=1), resume=True, allow_mixed=True)
+    assert len(df) == TINY_ROWS and set(df.runner) == {"cpu-reference", "fake-gpu"}
+    # the same runner resumes as before
+    out2 = tmp_path / "p.parquet"
+    with pytest.raises(_Crash):
+        _run(tiny, out2, runner=_CrashAfter(6, replays=1))
+    assert len(_run(tiny, out2, resume=True)) == TINY_ROWS
+
+
+def test_resume_conflicts_by_hand():
+    import pandas as pd
+
+    rows = pd.DataFrame({"runner": ["cuda"], "device_name": ["NVIDIA H200"], "arch": ["sm_90"],
+                         "point_id": ["p1"], "seed": [5]})
+    assert S.resume_conflicts(rows, runner="cuda", device_name="NVIDIA H200", arch="sm_90", seeds={"p1": 5}) == ""
+    assert "device_name 'NVIDIA H200'" in S.resume_conflicts(rows, device_name="NVIDIA H100 80GB HBM3")
+    assert "arch" in S.resume_conflicts(rows, arch="sm_100")
+    assert "['p1']" in S.resume_conflicts(rows, seeds={"p1": 6})
+    assert S.resume_conflicts(rows, seeds={"p2": 6}) == ""  # (a point the table lacks)
+    assert S.resume_conflicts(rows.iloc[:0], runner="x") == ""
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"head_size": 72}, r"head_size: 72 is not a paged_attention head size"),
+    ({"block_size": 24}, r"block_size: 24 is not a paged_attention block size"),
+    ({"seq_lens": {"distribution": "lognormal", "median": float("inf"), "max": 100, "seed": 1}}, r"median: expected a finite"),
+    ({"seq_lens": {"distribution": "lognormal", "median": 50, "sigma": float("nan"), "max": 100, "seed": 1}}, r"sigma: expected a finite"),
+    ({"seq_lens": {"distribution": "lognormal", "median": True, "max": 100, "seed": 1}}, r"median: expected a finite"),
+    ({"seq_lens": {"distribution": "uniform", "max": True, "seed": 1}}, r"must be integers"),
+])
+def test_grid_values_refused_at_parse_time(fields, match):
+    """Values the op cannot run or that are not numbers: a ValueError naming the field when the
+    grid is read (head / block sizes became failed rows after the GPU set-up; .inf and huge mu
+    were OverflowError tracebacks)."""
+    base = {"num_seqs": 2, "num_heads": 8, "num_kv_heads": 2, "head_size": 128, "block_size": 16, "max_seq_len": 64}
+    f = {**base, **fields}
+    if "seq_lens" in fields:
+        f.pop("max_seq_len")
+    with pytest.raises(ValueError, match=match):
+        S.make_point(f)
+
+
+def test_a_huge_lognormal_mu_draws_the_maximum():
+    lens, _ = S.sample_seq_lens({"distribution": "lognormal", "mu": 1000, "max": 4096, "seed": 1}, 3)
+    assert lens == (4096, 4096, 4096)
+
+
+@pytest.mark.parametrize("replays", [0, -3, True])
+def test_replays_must_be_positive(replays, tmp_path):
+    with pytest.raises(ValueError, match="at least 1 replay"):
+        S.make_runner("cpu", replays=replays)
+    if isinstance(replays, bool):
+        return  # (the CLI's option is an integer)
+    res = CliRunner().invoke(app, ["sweep", "--grid", "llama70b-decode", "--out", str(tmp_path / "x.parquet"), "--runner", "cpu",
+                                   "--replays", str(int(replays))])
+    assert res.exit_code == 2 and "replay" in res.output
+
+
+def test_lock_removes_a_killed_compactions_temporary_table(tmp_path):
+    out = tmp_path / "o.parquet"
+    stale = tmp_path / ".tmp-4242-o.parquet"
+    stale.write_bytes(b"half a parquet")
+    other = tmp_path / ".tmp-4242-other.parquet"
+    other.write_bytes(b"not ours")
+    store = S.ResultStore(out)
+    store.lock()
+    store.unlock()
+    assert not stale.exists() and other.exists()
