@@ -351,6 +351,11 @@ def grid_fill(grids):
     d = pd.concat(grids).copy()
     d["fill"] = d.workgroups / (d.waves * d.slots)
     d["shape"] = "b" + d.num_seqs.astype(str) + " ctx " + d.max_seq_len.astype(str)
+    # the resident workgroups per CU/SM the slots come from, as the tables give them (not a constant:
+    # a knob's build or another head size changes them)
+    per_cu = ", ".join(f"{dev} {'/'.join(map(str, sorted(g.resident_per_cu.unique())))} per "
+                       f"{'SM' if dev.startswith('NVIDIA') else 'CU'}"
+                       for dev, g in d.groupby("device", sort=False))
     d["device"] = d.device + " (" + d.slots.astype(str) + " slots)"
     fig = px.line(d, x="partition_size", y="fill", color="device", facet_col="shape", facet_col_wrap=4, markers=True,
                   hover_data=["workgroups", "waves", "tail_workgroups", "partials_bytes"],
@@ -359,7 +364,7 @@ def grid_fill(grids):
     fig.update_yaxes(range=[0, 1.05])
     rows = math.ceil(d["shape"].nunique() / 4)
     fig.update_layout(height=240 * rows + 120, title="Grid-level fill of the workgroup slots (modeled from compiled "
-                                                     "resources: 2 workgroups per CU/SM for mfma16 at GQA 8)")
+                                                     f"resources: resident workgroups {per_cu})")
     return fig
 
 

@@ -105,7 +105,8 @@ for arch, t in res.items():
 # ## Grid-level waves against partition size
 # One workgroup per (sequence, KV head, partition): Llama-3.1-70B has 8 KV heads, so a
 # batch of 1 at 32k tokens launches 8 x 32768 / P workgroups. MI300X has 304 CUs x 3
-# resident mfma16 workgroups (head 128, compiled) = 912 slots; the H200 has 132 SMs x 2 = 264.
+# resident mfma16 workgroups (head 128: 3 waves per SIMD compiled, the slots modeled from it)
+# = 912 slots; the H200 has 132 SMs x 2 = 264.
 # MI300X needs more than three times the workgroups to fill, so it wants smaller partitions
 # for the same shape.
 

@@ -493,3 +493,17 @@ def test_min_blocks_1_table_is_the_compilers_own_allocation():
     assert (knob[att].agprs > 0).all() and (default[att].agprs == 0).all()
     assert (knob[att].waves_per_simd_compiler < default[att].waves_per_simd_compiler).all()
     assert knob[~att][AMD_RESOURCE_COLS].equals(default[~att][AMD_RESOURCE_COLS])
+
+
+def test_grid_fill_title_names_the_tables_resident_workgroups():
+    """The figure's title quotes the resident workgroups of the tables it plots (it once said
+    "2 per CU/SM" while the default gfx942 table gives mfma16 three per CU)."""
+    pytest.importorskip("plotly")
+    from cpa import plots as P
+
+    shape = [dict(num_seqs=1, num_heads=64, num_kv_heads=8, max_seq_len=8192)]
+    grids = [O.grid_table(arch, shape, tilings=["mfma16"]) for arch in ("gfx942", "sm_90")]
+    want = {arch: int(g.resident_per_cu.iloc[0]) for arch, g in zip(("gfx942", "sm_90"), grids)}
+    title = P.grid_fill(grids).layout.title.text
+    assert f"MI300X {want['gfx942']} per CU" in title and f"H200 {want['sm_90']} per SM" in title
+    assert want["gfx942"] == 3 and grids[0].slots.iloc[0] == 912  # as notebook 02 says
