@@ -110,7 +110,7 @@ def _ptr(t):
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size: int,
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
-                    check_values: bool = True):
+                    check_values: bool = True, fp8_format: str | None = None):
     """The HIP kernel of (tiling, partition_size) on CPU tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
     of each sequence and KV head combines). Outputs start NaN-poisoned. ``max_seq_len`` and
@@ -119,7 +119,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
         head_sizes=V.HEAD_SIZES, block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16),
-        max_seq_len=max_seq_len, check_values=check_values)
+        max_seq_len=max_seq_len, check_values=check_values, fp8_format=fp8_format)
     if shape.max_seq_len is None:
         raise ValueError("max_seq_len must be given when check_values=False")
     if query.device.type != "cpu":

@@ -11,10 +11,11 @@ the grid has per partition, so a table carries across tensor-parallel degrees) a
 2. of their kv_seqs, the smallest >= the launch's (else the largest);
 3. of that kv_seqs' max_seq_len, the smallest >= the launch's (else the largest).
 
-The header is plain C++17 with no includes: a launcher (vLLM's ROCm ``paged_attention``
-dispatch, for one) calls ``cpa_tuned::partition_size(...)`` and instantiates the sizes of
-``CPA_TUNED_PARTITION_SIZES(X)``; the Python side sizes its partition buffers from the JSON
-through :func:`lookup`. Every export says how its numbers were obtained (``evidence``:
+The header is plain C++17 with no includes: a launcher of a kernel whose partition size is a
+template parameter (CPA's; vLLM's ROCm launcher fixes 256 today) calls
+``cpa_tuned::partition_size(...)`` and instantiates the sizes of ``CPA_TUNED_PARTITION_SIZES(X)``;
+the Python side sizes its partition buffers (float32 ``tmp_out``, ``exp_sums``, ``max_logits``)
+from the JSON through :func:`lookup`. Every export says how its numbers were obtained (``evidence``:
 ``measured`` on a named device, or ``modeled``) -- a modeled MI300X table is never a
 measurement.
 """
@@ -315,8 +316,12 @@ def to_header(tuned: dict, *, json_name: str | None = None) -> str:
         f"#define CPA_TUNED_ARCH \"{tuned['arch']}\"",
         f"#define CPA_TUNED_EVIDENCE \"{tuned['evidence']}\"",
         f"#define CPA_TUNED_FALLBACK_PARTITION_SIZE {tuned['fallback_partition_size']}",
-        "// every partition size the table returns: instantiate the kernel for each X(size)",
+        "// every partition size the table returns: instantiate the kernel for each X(size) (a kernel",
+        "// whose partition size is a template parameter, as CPA's: vLLM's ROCm launcher fixes 256)",
         f"#define CPA_TUNED_PARTITION_SIZES(X) {p_list}",
+        "// partials of a launch with P = partition_size(...), partitions = ceil(max_seq_len / P):",
+        "// exp_sums, max_logits float32 [num_seqs][num_heads][partitions] and tmp_out float32",
+        "// [num_seqs][num_heads][partitions][head_size] (4 bytes per element, not the output's dtype)",
         "",
         "namespace cpa_tuned {",
         "",

@@ -19,6 +19,10 @@
   that swapping ``k_scale`` and ``v_scale`` shows), ``k_scale = amax(K) / 448`` and
   ``v_scale = amax(V) / 448`` (Python floats), and the caches are
   ``(x / scale).to(torch.float8_e4m3fn).view(torch.uint8)``, as vLLM stores them;
+  ``fp8_format="e4m3fnuz"`` (MI300's encoding) divides by 240 instead, keeps the caches as
+  ``torch.float8_e4m3fnuz`` tensors (the dtype names the encoding) and poisons with 0x7F, its
+  largest value (its only NaN, 0x80, decodes to -0 in the kernels' bit conversion, which would
+  not show);
 * ALiBi slopes (``alibi=True``) as in the ALiBi paper (Press et al.): for ``n`` heads a power
   of two, ``slope_i = 2 ** (-8 * i / n)``, ``i = 1..n``; otherwise the slopes of the closest
   smaller power of two ``m`` followed by every other slope of the ``2m`` sequence.
@@ -36,10 +40,13 @@ import torch
 
 from .validation import normalize_kv_cache_dtype
 
-__all__ = ["PagedInputs", "make_paged_inputs", "alibi_slopes", "FP8_E4M3_MAX", "FP8_E4M3_NAN_BYTE"]
+__all__ = ["PagedInputs", "make_paged_inputs", "alibi_slopes", "FP8_E4M3_MAX", "FP8_E4M3_NAN_BYTE",
+           "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_POISON_BYTE"]
 
 FP8_E4M3_MAX = 448.0
 FP8_E4M3_NAN_BYTE = 0x7F
+FP8_E4M3FNUZ_MAX = 240.0
+FP8_E4M3FNUZ_POISON_BYTE = 0x7F  # +240
 
 #: elements per chunk when filling the caches: bounds host memory for big caches, and each chunk
 #: has its own generator (so changing this changes the values)
@@ -150,6 +157,7 @@ def _fill_cache(
     dtype: torch.dtype,
     device: torch.device,
     fp8: bool,
+    fp8_format: str = "e4m3fn",
 ) -> tuple[torch.Tensor, float]:
     """A cache of ``shape`` filled chunk by chunk; returns (cache, fp8 scale or 1.0).
 
@@ -165,12 +173,14 @@ def _fill_cache(
             # first pass: amax of everything to be drawn (chunks are re-drawn, not kept)
             amaxes = ex.map(lambda i: float(_draw_chunk(seed, stream, i, numel, std).abs().max()), range(n_chunks))
             amax = max(amaxes)
-            scale = amax / FP8_E4M3_MAX if amax > 0 else 1.0
+            fmax = FP8_E4M3FNUZ_MAX if fp8_format == "e4m3fnuz" else FP8_E4M3_MAX
+            scale = amax / fmax if amax > 0 else 1.0
+        fp8_dtype = torch.float8_e4m3fnuz if fp8_format == "e4m3fnuz" else torch.float8_e4m3fn
 
         def make(i: int) -> torch.Tensor:
             c = _draw_chunk(seed, stream, i, numel, std)
             if fp8:
-                return c.div_(scale).to(torch.float8_e4m3fn).view(torch.uint8)
+                return c.div_(scale).to(fp8_dtype).view(torch.uint8)
             return c.to(dtype)
 
         cache = torch.empty(numel, dtype=torch.uint8 if fp8 else dtype, device=device)
@@ -198,6 +208,7 @@ def make_paged_inputs(
     num_blocks: int | None = None,
     poison_unused: bool = True,
     max_blocks_per_seq: int | None = None,
+    fp8_format: str = "e4m3fn",
 ) -> PagedInputs:
     """Random, realistically laid-out decode inputs (see the module docstring).
 
@@ -208,6 +219,9 @@ def make_paged_inputs(
     """
     kv_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
     fp8 = kv_dtype == "fp8"
+    if fp8_format not in ("e4m3fn", "e4m3fnuz"):
+        raise ValueError(f"fp8_format: got {fp8_format!r}; allowed: 'e4m3fn', 'e4m3fnuz'")
+    fnuz = fp8 and fp8_format == "e4m3fnuz"
     device = torch.device(device)
     if isinstance(seq_lens, int):
         lens = [int(seq_lens)] * num_seqs
@@ -264,18 +278,21 @@ def make_paged_inputs(
     k_std, v_std = (2.0, 0.5) if fp8 else (1.0, 1.0)
     cache_dtype = dtype
     key_cache, k_scale = _fill_cache(
-        (num_blocks, num_kv_heads, head_size // x, block_size, x), seed, "key", k_std, cache_dtype, device, fp8
+        (num_blocks, num_kv_heads, head_size // x, block_size, x), seed, "key", k_std, cache_dtype, device, fp8,
+        fp8_format
     )
     value_cache, v_scale = _fill_cache(
-        (num_blocks, num_kv_heads, head_size, block_size), seed, "value", v_std, cache_dtype, device, fp8
+        (num_blocks, num_kv_heads, head_size, block_size), seed, "value", v_std, cache_dtype, device, fp8, fp8_format
     )
 
     if poison_unused:
         unused = torch.arange(block_size)[None, :] >= tokens_in_block[:, None]  # [num_blocks, block_size]
         unused = unused.to(device)
-        poison = FP8_E4M3_NAN_BYTE if fp8 else float("nan")
+        poison = (FP8_E4M3FNUZ_POISON_BYTE if fnuz else FP8_E4M3_NAN_BYTE) if fp8 else float("nan")
         key_cache.masked_fill_(unused[:, None, None, :, None], poison)
         value_cache.masked_fill_(unused[:, None, None, :], poison)
+    if fnuz:  # (the dtype tells every reader which e4m3 the bytes are)
+        key_cache, value_cache = key_cache.view(torch.float8_e4m3fnuz), value_cache.view(torch.float8_e4m3fnuz)
 
     slopes = alibi_slopes(num_heads).to(device) if alibi else None
     return PagedInputs(

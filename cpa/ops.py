@@ -14,7 +14,11 @@ from .jit import BuiltKernel, build, device_arch, device_info, extra_flags, stag
 from .validation import PagedAttentionShape, validate_paged_attention_args
 
 LOG2E = 1.4426950408889634
-FP8_DECODE_FACTOR = 256.0  # the kernel decodes e4m3 bytes to value / 256 (platform.h)
+# The kernel decodes an e4m3 byte to a 16-bit float by moving its bits (platform.h): e4m3fn's
+# value / 256, e4m3fnuz's (exponent bias 8, one more than e4m3fn's) value / 128. The host folds
+# the factor into the scales, so one kernel binary reads either encoding.
+FP8_DECODE_FACTORS = {"e4m3fn": 256.0, "e4m3fnuz": 128.0}
+FP8_DECODE_FACTOR = FP8_DECODE_FACTORS["e4m3fn"]
 
 
 def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_size: int | None,
@@ -204,18 +208,29 @@ def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem:
     strides in bytes. The kernel decodes fp8 to value / 256, so both scales carry the 256 back.
     Raises ValueError where a folded factor is not a finite float32 (the kernel's type)."""
     fp8 = shape.kv_cache_dtype == "fp8"
-    scale_log2 = float(scale) * LOG2E * (float(k_scale) * FP8_DECODE_FACTOR if fp8 else 1.0)
-    out_scale = float(v_scale) * FP8_DECODE_FACTOR if fp8 else 1.0
+    factor = FP8_DECODE_FACTORS[shape.fp8_format or "e4m3fn"] if fp8 else 1.0
+    scale_log2 = float(scale) * LOG2E * (float(k_scale) * factor if fp8 else 1.0)
+    out_scale = float(v_scale) * factor if fp8 else 1.0
     if not (abs(scale_log2) <= FLOAT32_MAX and abs(out_scale) <= FLOAT32_MAX):  # (NaN fails too)
         raise _folded_overflow(("scale x k_scale" if fp8 else "scale", scale_log2), ("v_scale", out_scale))
     kv_head_stride = shape.head_size * shape.block_size * kv_elem
     return scale_log2, out_scale, shape.num_kv_heads * kv_head_stride, kv_head_stride
 
 
+def fp8_format_unsupported(platform: str, fp8_format: str | None) -> str | None:
+    """Why the kernels of `platform` cannot read caches of `fp8_format` (None: they can). The
+    NVIDIA build decodes e4m3 with cvt.rn.f16x2.e4m3x2 (sm_89+), which reads e4m3fn: e4m3fnuz's
+    largest bytes (0x7F, 0xFF: +-240) would decode as NaN. The AMD kernels move bits and read both."""
+    if fp8_format == "e4m3fnuz" and platform == "cuda":
+        return ("fp8_format='e4m3fnuz' (MI300's encoding) is not read by the NVIDIA kernels, which decode e4m3fn "
+                "with the hardware conversion; store the cache as e4m3fn (vLLM does on NVIDIA)")
+    return None
+
+
 def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None, tiling=None,
             alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
             return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=None,
-            cluster_reduce=None, shared_steps=False, _stream_counters=False) -> Launch:
+            cluster_reduce=None, shared_steps=False, fp8_format=None, _stream_counters=False) -> Launch:
     """Validate, pick and build the variant, allocate buffers; launch nothing.
 
     fused_reduce: the last workgroup of each (sequence, KV head) combines the partitions
@@ -231,7 +246,10 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     tokens each, so that the sequence's workgroups finish together; the reduce is unchanged.
     A partial is then of whichever steps its workgroup ran (so no return_intermediates),
     and the summation order -- hence the rounding of the output -- can differ between
-    launches. Not with the fused reduce or the cluster combine."""
+    launches. Not with the fused reduce or the cluster combine.
+    fp8_format: the e4m3 encoding of uint8 fp8 caches (cpa.validation; None: the device's --
+    e4m3fnuz on gfx94x, e4m3fn elsewhere). e4m3fnuz is refused on NVIDIA, whose kernel decodes
+    e4m3 with the hardware conversion (e4m3fn only)."""
     if not isinstance(query, torch.Tensor) or query.device.type != "cuda":
         raise ValueError(f"query must be a GPU tensor for the CPA kernel (got "
                          f"{getattr(query, 'device', type(query).__name__)}); use cpa.reference on the CPU")
@@ -239,8 +257,11 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
         partition_size=partition_size, out=out, check_values=check_values, max_seq_len=max_seq_len, head_sizes=V.HEAD_SIZES,
-        block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16))
+        block_sizes=V.BLOCK_SIZES, query_dtypes=(torch.float16, torch.bfloat16), fp8_format=fp8_format)
     platform, arch = device_arch(query.device)
+    why = fp8_format_unsupported(platform, shape.fp8_format)
+    if why:
+        raise ValueError(why)
     if shape.max_seq_len is None:
         raise ValueError("max_seq_len must be given when check_values=False")
     kv_async = staged_loops_flagged() if shared_steps else False  # (reads the flags: only where needed)
@@ -394,7 +415,7 @@ def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAt
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size=None,
                     tiling=None, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, out=None,
                     return_intermediates=False, max_seq_len=None, check_values=True, fused_reduce=None,
-                    cluster_reduce=None, shared_steps=False):
+                    cluster_reduce=None, shared_steps=False, fp8_format=None):
     """Paged attention decode with the CPA kernel (vLLM ROCm paged_attention contract).
 
     query [num_seqs, num_heads, head_size] fp16/bf16; key_cache [num_blocks, num_kv_heads,
@@ -413,7 +434,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                      tiling=tiling, alibi_slopes=alibi_slopes, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, out=out, return_intermediates=return_intermediates, max_seq_len=max_seq_len,
                      check_values=check_values, fused_reduce=fused_reduce, cluster_reduce=cluster_reduce,
-                     shared_steps=shared_steps, _stream_counters=True)
+                     shared_steps=shared_steps, fp8_format=fp8_format, _stream_counters=True)
     launch()
     if return_intermediates:
         return launch.out, launch.exp_sums, launch.max_logits, launch.tmp_out

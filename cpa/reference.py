@@ -15,12 +15,13 @@ Tolerances for comparing an output with the float64 ground truth live here, in o
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from typing import Any, Iterator
 
 import torch
 
-from .validation import PagedAttentionShape, validate_paged_attention_args
+from .validation import FP8_FORMATS, PagedAttentionShape, default_fp8_format, validate_paged_attention_args
 
 __all__ = [
     "REL_ERR_TOL",
@@ -59,12 +60,14 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor, *, per_seq: bool = Fals
     return num / den if den > 0 else num
 
 
-def dequantize_cache(cache: torch.Tensor, kv_cache_dtype: str, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Cache values as ``dtype``: a plain upcast for "auto"; e4m3fn bytes * scale for "fp8"."""
+def dequantize_cache(cache: torch.Tensor, kv_cache_dtype: str, scale: float, dtype: torch.dtype = torch.float32,
+                     fp8_format: str = "e4m3fn") -> torch.Tensor:
+    """Cache values as ``dtype``: a plain upcast for "auto"; for "fp8", the e4m3 value of each
+    byte (uint8 bytes read as ``fp8_format``; a float8 tensor as its own dtype) * scale."""
     if kv_cache_dtype == "auto":
         return cache.to(dtype)
     if cache.dtype == torch.uint8:
-        cache = cache.view(torch.float8_e4m3fn)
+        cache = cache.view(FP8_FORMATS[fp8_format])
     return cache.to(dtype) * scale
 
 
@@ -125,8 +128,8 @@ def _gather_seq(
     k = key_cache.index_select(0, blocks).permute(1, 0, 3, 2, 4).reshape(kvh, n * shape.block_size, hs)
     # value: [n, kvh, hs, bs] -> [kvh, n, bs, hs] -> [kvh, n*bs, hs]
     v = value_cache.index_select(0, blocks).permute(1, 0, 3, 2).reshape(kvh, n * shape.block_size, hs)
-    k = dequantize_cache(k[:, :seq_len], shape.kv_cache_dtype, k_scale)
-    v = dequantize_cache(v[:, :seq_len], shape.kv_cache_dtype, v_scale)
+    k = dequantize_cache(k[:, :seq_len], shape.kv_cache_dtype, k_scale, fp8_format=shape.fp8_format)
+    v = dequantize_cache(v[:, :seq_len], shape.kv_cache_dtype, v_scale, fp8_format=shape.fp8_format)
     return k, v
 
 
@@ -144,6 +147,7 @@ def paged_attention(
     v_scale: float = 1.0,
     partition_size: int | None = None,
     return_intermediates: bool = False,
+    fp8_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference paged-attention decode: one query token per sequence against its paged KV.
 
@@ -181,6 +185,7 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
         partition_size=partition_size,
+        fp8_format=fp8_format,
     )
     k_scale, v_scale, scale = float(k_scale), float(v_scale), float(scale)
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
@@ -260,6 +265,23 @@ def reduce_partitions(exp_sums: torch.Tensor, max_logits: torch.Tensor, tmp_out:
     return (w.unsqueeze(-1) * tmp_out).sum(dim=-2) / w.sum(dim=-1).unsqueeze(-1)
 
 
+def _e4m3_values(fp8_format: str) -> torch.Tensor:
+    """float64 value of each of the 256 e4m3 bytes, from the encoding's definition: sign, 4
+    exponent bits (bias 7 for e4m3fn, 8 for e4m3fnuz), 3 mantissa bits, subnormals at exponent 0;
+    NaN at S.1111.111 (e4m3fn) or at 0x80 alone (e4m3fnuz, which has no negative zero)."""
+    bias = {"e4m3fn": 7, "e4m3fnuz": 8}[fp8_format]
+    vals = []
+    for b in range(256):
+        sign, e, m = -1.0 if b & 0x80 else 1.0, (b >> 3) & 0xF, b & 0x7
+        if (fp8_format == "e4m3fn" and e == 15 and m == 7) or (fp8_format == "e4m3fnuz" and b == 0x80):
+            vals.append(math.nan)
+        elif e == 0:
+            vals.append(sign * m / 8.0 * 2.0 ** (1 - bias))
+        else:
+            vals.append(sign * (1.0 + m / 8.0) * 2.0 ** (e - bias))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
 def naive_paged_attention_fp64(inputs: Any) -> torch.Tensor:
     """Float64 ground truth: ``[num_seqs, num_heads, head_size]`` on the inputs' device.
 
@@ -281,6 +303,10 @@ def naive_paged_attention_fp64(inputs: Any) -> torch.Tensor:
     kv_dtype = "fp8" if kv_dtype in ("fp8", "fp8_e4m3") else kv_dtype
     k_scale, v_scale = float(kw.get("k_scale", 1.0)), float(kw.get("v_scale", 1.0))
     slopes = kw.get("alibi_slopes")
+    if kv_dtype == "fp8":  # decoded by its own table, not torch's float8 casts (see _e4m3_values)
+        fmt = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e4m3fnuz: "e4m3fnuz"}.get(kc.dtype) \
+            or kw.get("fp8_format") or default_fp8_format(kc.device)
+        table = _e4m3_values(fmt).to(kc.device)
 
     if q.device.type == "cpu":
         _warm_cpu_exp()
@@ -295,8 +321,11 @@ def naive_paged_attention_fp64(inputs: Any) -> torch.Tensor:
         # advanced indexing on dims 0 and 3 -> [L, KVH, D/x, x]
         k = kc[phys, :, :, slot, :].reshape(L, KVH, D)
         v = vc[phys, :, :, slot]  # [L, KVH, D]
-        k = dequantize_cache(k, kv_dtype, k_scale, torch.float64)
-        v = dequantize_cache(v, kv_dtype, v_scale, torch.float64)
+        if kv_dtype == "fp8":
+            k = table[k.contiguous().view(torch.uint8).to(torch.int64)] * k_scale
+            v = table[v.contiguous().view(torch.uint8).to(torch.int64)] * v_scale
+        else:
+            k, v = k.to(torch.float64), v.to(torch.float64)
         kh = k[:, kv_of_head]  # [L, H, D]
         vh = v[:, kv_of_head]
         qd = q[s].to(torch.float64)  # [H, D]

@@ -11,9 +11,14 @@ Layout (vLLM's ROCm ``paged_attention`` contract)::
     out           None | like query
 
 With ``kv_cache_dtype="auto"`` the caches have the query's dtype. With ``"fp8"`` (alias
-``"fp8_e4m3"``) they are ``torch.uint8`` tensors holding float8 e4m3fn bytes, as vLLM stores
-them (``torch.float8_e4m3fn`` tensors are accepted too), dequantized as ``byte * k_scale``
-(``v_scale`` for V).
+``"fp8_e4m3"``) they are ``torch.uint8`` tensors of float8 e4m3 bytes, as vLLM stores them,
+dequantized as ``value(byte) * k_scale`` (``v_scale`` for V). Two e4m3 encodings exist
+(``fp8_format``): ``"e4m3fn"`` (OCP: exponent bias 7, max 448; NVIDIA, and vLLM everywhere but
+gfx94x) and ``"e4m3fnuz"`` (exponent bias 8, max 240, one NaN at 0x80; MI300's hardware format,
+which vLLM writes on gfx94x -- with scales doubled, so that the same byte means the same real
+value). ``torch.float8_e4m3fn`` / ``torch.float8_e4m3fnuz`` storage says its format; uint8 bytes
+are read in the device's format (e4m3fnuz on a gfx94x GPU, e4m3fn elsewhere) unless
+``fp8_format`` names one.
 
 :func:`validate_paged_attention_args` raises :class:`TypeError` for a wrong Python type or
 tensor dtype and :class:`ValueError` for everything else (shapes, devices, layout, values);
@@ -32,6 +37,9 @@ import torch
 __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "SUPPORTED_BLOCK_SIZES",
+    "FP8_FORMATS",
+    "default_fp8_format",
+    "resolve_fp8_format",
     "SUPPORTED_QUERY_DTYPES",
     "KV_CACHE_DTYPES",
     "PagedAttentionShape",
@@ -46,7 +54,10 @@ SUPPORTED_QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: accepted spellings of ``kv_cache_dtype`` -> normalized name
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
-_FP8_STORAGE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+_FP8_STORAGE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+#: fp8 encodings of a KV cache -> the torch dtype that decodes it
+FP8_FORMATS = {"e4m3fn": torch.float8_e4m3fn, "e4m3fnuz": torch.float8_e4m3fnuz}
+_FP8_FORMAT_OF_DTYPE = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e4m3fnuz: "e4m3fnuz"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,7 @@ class PagedAttentionShape:
     query_dtype: torch.dtype
     kv_cache_dtype: str  #: "auto" or "fp8" (normalized)
     device: torch.device
+    fp8_format: str | None = None  #: "e4m3fn" or "e4m3fnuz" with an fp8 cache, else None
 
 
 def _describe(value: Any) -> str:
@@ -142,6 +154,31 @@ _BT_LAYOUT = "[num_seqs, max_blocks_per_seq]"
 _SL_LAYOUT = "[num_seqs]"
 
 
+def default_fp8_format(device: torch.device) -> str:
+    """The e4m3 encoding a device's fp8 KV cache holds where the caller names none: e4m3fnuz on
+    gfx94x (MI300; vLLM's ``current_platform.fp8_dtype()`` there), e4m3fn elsewhere (NVIDIA,
+    the CPU, gfx90a, gfx950)."""
+    if device.type == "cuda" and getattr(torch.version, "hip", None):
+        from .jit import device_info
+
+        if device_info(device)[1].startswith("gfx94"):
+            return "e4m3fnuz"
+    return "e4m3fn"
+
+
+def resolve_fp8_format(fp8_format: Any, cache: torch.Tensor) -> str:
+    """The encoding of an fp8 cache: its float8 dtype's, else ``fp8_format``, else the device's.
+    ValueError for an unknown name or one that contradicts the tensor's dtype."""
+    if fp8_format is not None and fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format: got {fp8_format!r}; allowed: None, {', '.join(map(repr, FP8_FORMATS))}")
+    of_dtype = _FP8_FORMAT_OF_DTYPE.get(cache.dtype)
+    if of_dtype is not None:
+        if fp8_format is not None and fp8_format != of_dtype:
+            raise ValueError(f"fp8_format: {fp8_format!r} contradicts the caches' dtype {cache.dtype}")
+        return of_dtype
+    return fp8_format or default_fp8_format(cache.device)
+
+
 def validate_paged_attention_args(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -161,6 +198,7 @@ def validate_paged_attention_args(
     head_sizes: Sequence[int] = SUPPORTED_HEAD_SIZES,
     block_sizes: Sequence[int] = SUPPORTED_BLOCK_SIZES,
     query_dtypes: Sequence[torch.dtype] = SUPPORTED_QUERY_DTYPES,
+    fp8_format: str | None = None,
 ) -> PagedAttentionShape:
     """Check paged-attention decode arguments and return the derived sizes.
 
@@ -176,6 +214,9 @@ def validate_paged_attention_args(
 
     ``max_seq_len``: if given it is used as is (with ``check_values`` it must be at least the
     true maximum); otherwise it is computed when ``check_values`` is set, else left None.
+
+    ``fp8_format`` (fp8 caches only): ``"e4m3fn"``, ``"e4m3fnuz"`` or None (see the module
+    docstring); the result's ``fp8_format`` is the one the caches are read in.
     """
     # ---- Python-level types ------------------------------------------------------------
     kv_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
@@ -204,13 +245,17 @@ def validate_paged_attention_args(
         _check_dtype("key_cache", key_cache, (query.dtype,), " with kv_cache_dtype='auto' (must match query)")
         _check_dtype("value_cache", value_cache, (query.dtype,), " with kv_cache_dtype='auto' (must match query)")
     else:
-        why = f" with kv_cache_dtype={kv_cache_dtype!r} (fp8 e4m3fn bytes)"
+        why = f" with kv_cache_dtype={kv_cache_dtype!r} (fp8 e4m3 bytes)"
         _check_dtype("key_cache", key_cache, _FP8_STORAGE_DTYPES, why)
         _check_dtype("value_cache", value_cache, _FP8_STORAGE_DTYPES, why)
         if value_cache.dtype != key_cache.dtype:
             raise TypeError(
                 f"value_cache: dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}"
             )
+    if kv_dtype == "fp8":
+        fp8_format = resolve_fp8_format(fp8_format, key_cache)
+    elif fp8_format is not None:
+        raise ValueError(f"fp8_format: {fp8_format!r} is for an fp8 cache; kv_cache_dtype is 'auto'")
     _check_dtype("block_tables", block_tables, (torch.int32,))
     _check_dtype("seq_lens", seq_lens, (torch.int32,))
     if alibi_slopes is not None:
@@ -347,6 +392,7 @@ def validate_paged_attention_args(
         query_dtype=query.dtype,
         kv_cache_dtype=kv_dtype,
         device=device,
+        fp8_format=fp8_format,
     )
 
 

@@ -690,3 +690,18 @@ def test_shared_steps_refusals():
         ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True, cluster_reduce=True)
     launch = ops.prepare(**inp.as_kwargs(), partition_size=256, tiling="mfma16", shared_steps=True)
     assert launch.shared_steps and launch.cluster == 0 and launch.reduce_args is not None
+
+
+def test_e4m3fnuz_caches_are_refused_on_nvidia():
+    """MI300's fp8 encoding is not what the NVIDIA kernels decode (hardware e4m3fn conversion):
+    refused before any build or launch, by dtype or by name."""
+    import cpa
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(2, 16, 2, 128, 16, [40, 300], dtype=torch.float16, kv_cache_dtype="fp8",
+                            fp8_format="e4m3fnuz", seed=3, device="cuda")
+    with pytest.raises(ValueError, match="e4m3fnuz"):
+        cpa.paged_attention(**inp.as_kwargs())
+    raw = dict(inp.as_kwargs(), key_cache=inp.key_cache.view(torch.uint8), value_cache=inp.value_cache.view(torch.uint8))
+    with pytest.raises(ValueError, match="e4m3fnuz"):
+        cpa.paged_attention(**raw, fp8_format="e4m3fnuz")

@@ -48,3 +48,13 @@ def test_a_launch_runs_on_its_tensors_device(monkeypatch):
     assert isinstance(ops.on_device(0), contextlib.nullcontext)
     guard = ops.on_device(1)  # (not entered: no GPU here)
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+def test_fp8_decode_factor_follows_the_encoding():
+    """The kernel's bit conversion gives e4m3fn / 256 and e4m3fnuz / 128: the host folds that in."""
+    fn = shape(kv_cache_dtype="fp8", fp8_format="e4m3fn")
+    uz = shape(kv_cache_dtype="fp8", fp8_format="e4m3fnuz")
+    a, b = ops.kernel_scalars(fn, 0.1, 1.0, 1.0, 1), ops.kernel_scalars(uz, 0.1, 1.0, 1.0, 1)
+    assert a[0] == pytest.approx(2 * b[0]) and a[1] == 256.0 and b[1] == 128.0
+    assert ops.fp8_format_unsupported("hip", "e4m3fnuz") is None and ops.fp8_format_unsupported("cuda", "e4m3fn") is None
+    assert "NVIDIA" in ops.fp8_format_unsupported("cuda", "e4m3fnuz")

@@ -259,3 +259,35 @@ def test_gpu_matches_cpu(kv):
         out = paged_attention(**gpu.as_kwargs(), partition_size=p)
         assert out.is_cuda
         assert_matches_truth(out.cpu(), cpu, truth)
+
+
+def test_e4m3_decoding_tables_match_torch_and_vllms_fnuz_convention():
+    """The float64 truth decodes bytes from the encodings' definitions (not torch's casts); both
+    agree with torch on all 256 bytes, and every finite nonzero byte means twice as much in
+    e4m3fn as in e4m3fnuz -- why vLLM doubles the scales where it writes e4m3fnuz (gfx94x)."""
+    import math
+
+    from cpa.reference import _e4m3_values
+
+    allb = torch.arange(256, dtype=torch.uint8)
+    for fmt, dt in (("e4m3fn", torch.float8_e4m3fn), ("e4m3fnuz", torch.float8_e4m3fnuz)):
+        assert torch.equal(allb.view(dt).double().nan_to_num(9.0), _e4m3_values(fmt).nan_to_num(9.0)), fmt
+    fn, uz = _e4m3_values("e4m3fn"), _e4m3_values("e4m3fnuz")
+    finite = [b for b in range(256) if b not in (0, 0x80) and not math.isnan(fn[b]) and not math.isnan(uz[b])]
+    assert len(finite) == 252 and all(fn[b] == 2 * uz[b] for b in finite)
+    assert math.isnan(uz[0x80]) and uz[0x7F] == 240.0 and math.isnan(fn[0x7F]) and fn[0x7E] == 448.0
+
+
+def test_fp8_e4m3fnuz_caches(device):
+    """MI300's encoding: the same bytes read as e4m3fnuz with scale 2s are e4m3fn with s (vLLM's
+    convention), the reference agrees with the float64 truth, and reading them as e4m3fn is wrong."""
+    inp = make_paged_inputs(2, 4, 2, 64, 16, [50, 400], dtype=torch.float16, kv_cache_dtype="fp8",
+                            fp8_format="e4m3fnuz", seed=4, device=device)
+    assert inp.key_cache.dtype == torch.float8_e4m3fnuz
+    out = paged_attention(**inp.as_kwargs())
+    assert_matches_truth(out, inp)
+    raw = dict(inp.as_kwargs(), key_cache=inp.key_cache.view(torch.uint8), value_cache=inp.value_cache.view(torch.uint8))
+    assert torch.equal(paged_attention(**raw, fp8_format="e4m3fnuz"), out)
+    # read as e4m3fn with vLLM's (doubled) scales: every value twice too large, and the largest
+    # bytes (0x7F / 0xFF: +-240 in e4m3fnuz, the amax of each cache) NaN
+    assert not relative_error(paged_attention(**raw), out) < 0.5

@@ -475,3 +475,33 @@ def test_provenance_command_names_knob_flags(monkeypatch):
     assert not command().startswith("CPA_NVCC_FLAGS")
     monkeypatch.setenv("CPA_COMMAND", "python3 -m cpa bench")
     assert command() == "python3 -m cpa bench"
+
+
+# ------------------------------------------------------------------ fp8 encodings (e4m3fn / e4m3fnuz)
+def test_fp8_format_follows_the_storage_dtype_or_the_argument():
+    kw = base(kv="fp8")
+    assert call(kw).fp8_format == "e4m3fn"  # uint8 on the CPU: e4m3fn
+    assert call(kw, fp8_format="e4m3fnuz").fp8_format == "e4m3fnuz"
+    fnuz = dict(key_cache=kw["key_cache"].view(torch.float8_e4m3fnuz),
+                value_cache=kw["value_cache"].view(torch.float8_e4m3fnuz))
+    assert call(kw, **fnuz).fp8_format == "e4m3fnuz"
+    raises(ValueError, "fp8_format", kw, fp8_format="e4m3fn", **fnuz)  # contradicts the dtype
+    raises(ValueError, "fp8_format", kw, fp8_format="e5m2")
+    raises(ValueError, "fp8_format", base(), fp8_format="e4m3fn")  # an auto cache has none
+    assert call(base()).fp8_format is None
+
+
+def test_default_fp8_format_is_the_devices(monkeypatch):
+    """gfx94x (MI300) reads uint8 fp8 caches as e4m3fnuz, as vLLM writes them there; NVIDIA, gfx90a
+    and gfx950 as e4m3fn."""
+    import cpa.jit as J
+    from cpa import validation as Val
+
+    assert Val.default_fp8_format(torch.device("cpu")) == "e4m3fn"
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    for arch, want in (("gfx942", "e4m3fnuz"), ("gfx940", "e4m3fnuz"), ("gfx90a", "e4m3fn"), ("gfx950", "e4m3fn")):
+        monkeypatch.setattr(J, "device_info", lambda device=None, a=arch: ("hip", a, 304))
+        assert Val.default_fp8_format(torch.device("cuda", 0)) == want, arch
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(J, "device_info", lambda device=None: ("cuda", "sm_90", 132))
+    assert Val.default_fp8_format(torch.device("cuda", 0)) == "e4m3fn"

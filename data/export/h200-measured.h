@@ -7,8 +7,12 @@
 #define CPA_TUNED_ARCH "sm_90"
 #define CPA_TUNED_EVIDENCE "measured"
 #define CPA_TUNED_FALLBACK_PARTITION_SIZE 1024
-// every partition size the table returns: instantiate the kernel for each X(size)
+// every partition size the table returns: instantiate the kernel for each X(size) (a kernel
+// whose partition size is a template parameter, as CPA's: vLLM's ROCm launcher fixes 256)
 #define CPA_TUNED_PARTITION_SIZES(X) X(128) X(256) X(512) X(1024) X(2048) X(4096) X(8192)
+// partials of a launch with P = partition_size(...), partitions = ceil(max_seq_len / P):
+// exp_sums, max_logits float32 [num_seqs][num_heads][partitions] and tmp_out float32
+// [num_seqs][num_heads][partitions][head_size] (4 bytes per element, not the output's dtype)
 
 namespace cpa_tuned {
 
