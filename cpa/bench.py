@@ -17,8 +17,13 @@ from pathlib import Path
 LLAMA70B = dict(num_heads=64, num_kv_heads=8, head_size=128, block_size=16)
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
-POOL_BYTES = 1 << 30  # KV pool per shape: rotating sets cover >= 1 GiB, far past the 60 MB L2
+POOL_BYTES = 1 << 30  # KV pool per shape (1 GiB), far past the 50 MB L2 of an H100 / H200
 MAX_SETS = 16
+# The sets one replay touches together cover at least this many bytes of K/V (5x the L2), so a
+# small shape's sets are not served from the L2 a replay earlier: up to MAX_SMALL_SETS sets
+# where MAX_SETS of them would touch less (1 x 512 tokens: 16 sets were 32 MiB).
+MIN_TOUCHED_BYTES = 256 << 20
+MAX_SMALL_SETS = 512
 BENCH_DATA = Path(__file__).resolve().parent.parent / "data" / "bench"  # shipped tables
 EXPERIMENTS = BENCH_DATA / "experiments"  # the A/Bs and earlier runs behind them
 # The issue's target 2 (batch <= 8, context >= 8k) over its whole domain on the H200, SDPA in
@@ -55,10 +60,12 @@ def check_block_order(block_order: str) -> None:
 
 def pool_size(num_seqs, blocks_per_seq, block_bytes, pool_bytes=None) -> tuple[int, int]:
     """(physical blocks in the pool, input sets): the pool covers >= pool_bytes (POOL_BYTES,
-    far past the L2) and holds up to MAX_SETS disjoint sets of the shape's blocks."""
+    far past the L2) and holds disjoint sets of the shape's blocks: MAX_SETS of them, or more
+    (up to MAX_SMALL_SETS) where MAX_SETS would touch fewer than MIN_TOUCHED_BYTES."""
     need = num_seqs * blocks_per_seq
     pool = max(need, math.ceil((pool_bytes or POOL_BYTES) / block_bytes))
-    return pool, max(1, min(MAX_SETS, pool // need))
+    want = max(MAX_SETS, min(MAX_SMALL_SETS, math.ceil(MIN_TOUCHED_BYTES / (need * block_bytes))))
+    return pool, max(1, min(want, pool // need))
 
 
 def block_tables(pool, num_seqs, blocks_per_seq, n_sets, block_order, generator) -> list:
@@ -376,27 +383,46 @@ def write_csv_atomic(df, path) -> None:
     write(df, path)
 
 
+def _verified(df):
+    """The timed rows that passed verification (a row that failed, or has no verdict, is no time)."""
+    d = df[df.time_us.notna()]
+    if "error" in d:
+        d = d[d.error.isna()]
+    return d[d.verified.fillna(False).astype(bool)] if "verified" in d else d
+
+
+def _sdpa_times(df):
+    """SDPA's verified time per (num_seqs, max_seq_len)."""
+    return _verified(df[df.tiling == "sdpa_cudnn"]).set_index(["num_seqs", "max_seq_len"]).time_us
+
+
 def summary_table(df):
-    """One line per shape: the best CPA variant, the fixed 256 choice, SDPA."""
+    """One line per shape: the best verified CPA launch (the `default_path` row included, as in
+    `vs_sdpa`, target 2's count), the fixed 256 choice, SDPA. `all_verified`: every CPA row of
+    the shape passed (failed rows are never a shape's best)."""
     import pandas as pd
 
-    ok = _explicit(df)
-    ok = ok[ok.get("error").isna()] if "error" in ok else ok
     lines = []
-    for (b, ctx), g in ok.groupby(["num_seqs", "max_seq_len"]):
-        cpa_rows = g[g.tiling != "sdpa_cudnn"]
-        sd = g[g.tiling == "sdpa_cudnn"]
+    for (b, ctx), g in df[df.time_us.notna()].groupby(["num_seqs", "max_seq_len"]):
+        cpa_all = g[g.tiling != "sdpa_cudnn"]
+        cpa_rows = _verified(cpa_all)
+        sd = _verified(g[g.tiling == "sdpa_cudnn"])
+        if not len(cpa_rows):
+            continue
         best = cpa_rows.loc[cpa_rows.time_us.idxmin()]
+        cpa_rows = _explicit(cpa_rows)
         p256 = cpa_rows[(cpa_rows.partition_size == 256) & (cpa_rows.tiling == best.tiling)]
         p256 = p256.sort_values("time_us")
-        line = dict(batch=b, context=ctx, best=_variant_label(best),
+        label = _variant_label(best) + (" (default)" if _flag(best, "default_path") else "")
+        line = dict(batch=b, context=ctx, best=label,
                     best_us=round(best.time_us, 1), best_bw=f"{best.frac_peak_bw:.0%}",
                     p256_us=round(float(p256.time_us.iloc[0]), 1) if len(p256) else None)
         if len(sd):
             s = sd.iloc[0]
             line.update(sdpa_us=round(s.time_us, 1), sdpa_bw=f"{s.frac_peak_bw:.0%}",
                         speedup_vs_sdpa=round(s.time_us / best.time_us, 2))
-        line["all_verified"] = bool(cpa_rows.verified.all())
+        line["all_verified"] = bool(cpa_all.verified.fillna(False).astype(bool).all()) if "verified" in cpa_all \
+            else True
         lines.append(line)
     return pd.DataFrame(lines)
 
@@ -414,7 +440,7 @@ def sdpa_gap(df):
 
     d, _ = _kernel_rows(df)
     d = d[~d[["fused_reduce", "cluster_reduce", "shared_steps"]].any(axis=1) & d.attn_time_us.notna()]
-    sdpa = df[df.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    sdpa = _sdpa_times(df)
     rows = []
     for (b, ctx), g in d.groupby(["num_seqs", "max_seq_len"]):
         if (b, ctx) not in sdpa.index:
@@ -432,10 +458,8 @@ def vs_sdpa(df):
     """Target 2's count per shape of a bench CSV with SDPA rows: SDPA's time over the fastest
     verified CPA launch of any combine, the `default_path` row included (it is a launch a user
     gets); > 1 is faster than SDPA. A Series indexed by (num_seqs, max_seq_len)."""
-    d = df[(df.tiling != "sdpa_cudnn") & df.time_us.notna()]
-    if "verified" in d:
-        d = d[d.verified.fillna(False).astype(bool)]
-    sdpa = df[df.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    d = _verified(df[df.tiling != "sdpa_cudnn"])
+    sdpa = _sdpa_times(df)
     best = d.groupby(["num_seqs", "max_seq_len"]).time_us.min()
     return (sdpa / best).dropna().rename("vs_sdpa")
 
@@ -463,7 +487,7 @@ def streaming_points(df, min_tokens: int = 0) -> dict:
     us, ``b`` its K/V bytes), ``rows`` the arm's rows behind them (for their read ceilings).
     What streaming_fit fits and plots.streaming_lines draws."""
     d, _ = _kernel_rows(df)
-    arms = {"cpa_best": d, "sdpa_cudnn": df[(df.tiling == "sdpa_cudnn") & df.time_us.notna()]}
+    arms = {"cpa_best": d, "sdpa_cudnn": _verified(df[df.tiling == "sdpa_cudnn"])}
     out = {}
     for arm, g in arms.items():
         g = g[g.num_seqs * g.max_seq_len >= min_tokens]
@@ -595,7 +619,7 @@ def default_path(df):
     if "verified" in dflt:
         dflt = dflt[dflt.verified.fillna(False).astype(bool)]
     d, _ = _kernel_rows(df)
-    sdpa = df[df.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"]).time_us
+    sdpa = _sdpa_times(df)
     rows = []
     for _, r in dflt.iterrows():
         g = d[(d.num_seqs == r.num_seqs) & (d.max_seq_len == r.max_seq_len)]
@@ -673,7 +697,7 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
         axes = dict(tiling=tiling, head_size=int(shape["head_size"]), block_size=int(shape["block_size"]),
                     dtype=shape["dtype"], kv_cache_dtype=shape["kv_cache_dtype"], gqa_ratio=gqa, platform=platform)
         cands = V.partition_candidates(max_seq_len=L, **axes)
-        cands = [p for p in cands if (g.partition_size == p).any() and (g.tiling == tiling).any()] or cands
+        cands = [p for p in cands if ((g.partition_size == p) & (g.tiling == tiling)).any()] or cands
         per_sm = resident_per_sm(V.variant_for(partition_size=cands[0], **axes))
         p = O.partition_by_wave_model(model, cands, num_seqs=S, num_heads=int(shape["num_heads"]), num_kv_heads=kvh,
                                       head_size=int(shape["head_size"]), max_seq_len=L,

@@ -70,12 +70,11 @@ def now() -> str:
 def command() -> str:
     """CPA_COMMAND if set, else this process's argv -- prefixed with CPA_NVCC_FLAGS when knob flags
     are set, so that a row measured or tested with a knob build says so."""
-    explicit = os.environ.get("CPA_COMMAND")
-    if explicit:
-        return explicit
-    argv = " ".join(shlex.quote(a) for a in sys.argv)
     flags = os.environ.get("CPA_NVCC_FLAGS", "").strip()
-    return f"CPA_NVCC_FLAGS={shlex.quote(flags)} {argv}" if flags else argv
+    cmd = os.environ.get("CPA_COMMAND") or " ".join(shlex.quote(a) for a in sys.argv)
+    if flags and "CPA_NVCC_FLAGS=" not in cmd:  # (a knob build is labelled, however the command is given)
+        return f"CPA_NVCC_FLAGS={shlex.quote(flags)} {cmd}"
+    return cmd
 
 
 def provenance() -> dict[str, str]:

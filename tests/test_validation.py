@@ -465,7 +465,8 @@ def test_staged_loops_flag_detection(monkeypatch):
 
 
 def test_provenance_command_names_knob_flags(monkeypatch):
-    """A row made with CPA_NVCC_FLAGS records them; CPA_COMMAND, when set, is taken as is."""
+    """A row made with CPA_NVCC_FLAGS records them, with CPA_COMMAND too (a knob build's bench or
+    target-2 rows went unlabelled); CPA_COMMAND is otherwise taken as is."""
     from cpa.provenance import command
 
     monkeypatch.delenv("CPA_COMMAND", raising=False)
@@ -475,6 +476,10 @@ def test_provenance_command_names_knob_flags(monkeypatch):
     assert not command().startswith("CPA_NVCC_FLAGS")
     monkeypatch.setenv("CPA_COMMAND", "python3 -m cpa bench")
     assert command() == "python3 -m cpa bench"
+    monkeypatch.setenv("CPA_NVCC_FLAGS", "-DCPA_MIN_BLOCKS=3")
+    assert command() == "CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench"
+    monkeypatch.setenv("CPA_COMMAND", "CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench")
+    assert command() == "CPA_NVCC_FLAGS=-DCPA_MIN_BLOCKS=3 python3 -m cpa bench"
 
 
 # ------------------------------------------------------------------ fp8 encodings (e4m3fn / e4m3fnuz)
