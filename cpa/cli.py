@@ -655,6 +655,8 @@ def emu_check(
     gqa: Optional[int] = typer.Option(None, help="query heads per KV head (default: 8; 4 for mfma4)."),
     seq_lens: str = typer.Option("1,17,300,1000", help="comma-separated sequence lengths (one batch)."),
     fused: bool = typer.Option(False, help="the fused reduce instead of the reduce kernel."),
+    fp8_format: str = typer.Option("e4m3fnuz", help="with an fp8 cache: e4m3fnuz (MI300's encoding, as vLLM "
+                                   "writes it on gfx94x) or e4m3fn (OCP: gfx950, NVIDIA)."),
 ) -> None:
     """Run AMD (HIP) kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU (no timing)."""
@@ -671,13 +673,16 @@ def emu_check(
     if not sizes:
         raise typer.BadParameter("name at least one partition size", param_hint="--partition-sizes")
     normalize_kv_cache_dtype(kv_cache_dtype)
+    if fp8_format not in ("e4m3fn", "e4m3fnuz"):
+        raise typer.BadParameter(f"{fp8_format!r}: e4m3fnuz or e4m3fn", param_hint="--fp8-format")
     typer.echo(f"{'variant':<48} {'wave ops':>9} {'seconds':>8} {'rel err':>9}  verdict")
     bad = ran = 0
     for tiling in names:
         for p in sizes:
             try:
                 r = emu.check(tiling, p, dtype=dtype, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
-                              block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused)
+                              block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
+                              fp8_format=fp8_format)
             except ValueError as e:
                 typer.echo(f"{tiling}-p{p}: not an AMD variant ({e})")
                 continue

@@ -156,11 +156,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 
 def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dtype: str = "auto",
           head_size: int = 128, block_size: int = 16, gqa: int | None = None, seq_lens=(1, 17, 300, 1000),
-          num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None) -> dict:
+          num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
+          fp8_format: str = "e4m3fnuz") -> dict:
     """One HIP variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
-    combination that is not an AMD variant."""
+    combination that is not an AMD variant. An fp8 cache is in ``fp8_format`` (default MI300's
+    e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950)."""
     import time
 
     from . import reference
@@ -172,7 +174,8 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
                       dtype=dtype, kv_cache_dtype=kv_cache_dtype, gqa_ratio=g, platform="hip")
     lens = list(seq_lens)
     inp = make_paged_inputs(len(lens), g * num_kv_heads, num_kv_heads, head_size, block_size, lens, dtype=dt,
-                            kv_cache_dtype=kv_cache_dtype, seed=partition_size if seed is None else seed)
+                            kv_cache_dtype=kv_cache_dtype, seed=partition_size if seed is None else seed,
+                            fp8_format=fp8_format)
     kw = inp.as_kwargs()
     k = build(v)
     ops0, t0 = k.wave_ops, time.perf_counter()
