@@ -24,11 +24,14 @@
 #
 # Every number here comes from `cpa sweep` (cpa/sweep.py): each row verified against
 # `cpa.reference` on fresh random inputs into a NaN-poisoned output, then timed by CUDA-graph
-# replay over rotating input sets (a KV pool of at least 1 GiB, so the 60 MB L2 cannot
-# serve it), median of 30 replays. Bandwidth is K+V read once over the median time, against
+# replay over rotating input sets (a KV pool of at least 1 GiB; the 16 sets the shipped sweep
+# rotated touch only 8-64 MiB at the smallest points -- 1 x 128 to 1 x 1k -- within reach of
+# the 50 MB L2, so those points are optimistic; runs since 2026-12-06 rotate enough sets to
+# touch 256 MiB), median of 30 replays. Bandwidth is K+V read once over the median time, against
 # the read ceiling measured at the start of the same run.
 #
-# **These are NVIDIA H200 measurements.** Nothing on this page is an MI300 number; the
+# **These are NVIDIA H200 measurements**, except the sections marked **measured on an H100**.
+# Nothing on this page is an MI300 number; the
 # MI300X side (compiled resources and modeled occupancy) is notebook 02.
 
 # %%
@@ -66,7 +69,7 @@ P.show(P.bandwidth_roof(main.df, ceil))
 # %% [markdown]
 # ## The best partition size over (batch, context)
 # The cell says the winning `tiling/partition`. On the H200 the long contexts want the
-# largest partitions: with 2 resident workgroups per SM (215-220 registers per thread), a
+# largest partitions: with 2 resident workgroups per SM (216-221 registers per thread), a
 # workgroup's fixed cost — the dependent loads of sequence length, block table and the first
 # K block, and the epilogue — is paid once per partition, and the fp32 partials of small
 # partitions are extra traffic for the reduce.
@@ -127,7 +130,8 @@ with pd.option_context("display.precision", 3):
 # %% [markdown]
 # The target's count takes the fastest launch of any combine per shape -- the fused reduce
 # included, which the bars above leave out (at 8 partitions it beats the reduce launch, e.g.
-# 4 x 8k). `speedup_vs_sdpa` above 1 is a shape the target is met at.
+# 4 x 8k). `speedup_vs_sdpa` above 1 is a shape the target is met at (three decimals: 1 x 64k,
+# 2 x 32k and 4 x 16k miss it by under 0.35%).
 
 # %%
 display(B.summary_table(t2)[["batch", "context", "best", "best_us", "best_bw", "sdpa_us", "sdpa_bw",
@@ -156,11 +160,12 @@ with pd.option_context("display.precision", 4):
 # ### The same domain on an H100
 # The split is not one card's. The same call on an H100 with the H200 table's kernels
 # (`data/bench/experiments/h100-target2-089eec7.csv`, the sm_90 machine code of b81e29d;
-# **measured on an H100**, not the target's card, with its own SDPA in the run) divides the
-# domain the same way: ahead of SDPA where the batch holds fewer than 128k tokens, behind where
-# it holds more. The last column is the same call at today's kernels (5f5aa63: each sequence
-# clamped to the tokens its launch covers), whose launches take 0.998x their time before: the
-# same split, 8 x 16k level this time. Each cell is target 2's count, SDPA time over the
+# **measured on an H100**, not the target's card, with its own SDPA in the run) divides it
+# nearly the same way: behind SDPA at every shape with 128k or more tokens in the batch. Among
+# the 64k-token shapes the H100 is behind only at 1 x 64k (0.999x), the H200 at all but 8 x 8k
+# (0.997x at 1 x 64k, 2 x 32k and 4 x 16k). The last column is the same call at today's kernels
+# (5f5aa63: each sequence clamped to the tokens its launch covers), whose launches take 0.998x
+# their time before: 1 x 64k and 8 x 16k at 0.997x. Each cell is target 2's count, SDPA time over the
 # fastest verified CPA launch (`cpa.bench.vs_sdpa`).
 
 # %%

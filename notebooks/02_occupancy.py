@@ -87,7 +87,7 @@ else:
 # kernel's registers (it is a loop bound), only the grid; the tiling and the head size do.
 # A CDNA3 SIMD has 512 VGPRs per lane (VGPRs and AGPRs from one file, 8-register granule):
 # <= 256 gives 2 waves per SIMD, <= 168 gives 3. A Hopper SM has 64K 32-bit registers:
-# 4 warps x 215-220 registers per block (the mma tilings) leaves room for 2 blocks.
+# 4 warps x 216-221 registers per block (the mma tilings) leaves room for 2 blocks.
 
 # %%
 res = {arch: O.resource_table(arch, block_size=16, dtype="fp16", kv_cache_dtype="auto")

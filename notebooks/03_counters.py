@@ -20,7 +20,8 @@
 # six shapes of `llama70b-decode`, and joins them to the sweep rows of the same variants.
 #
 # Everything here is **measured on the H200** (or modeled from the sm_90 compiled resources
-# where it says so). The same page works for `rocprofv3` on an MI300 (the portable metric
+# where it says so), except the sections marked **measured on an H100** (the read patterns and
+# the stall tables at the end). The same page works for `rocprofv3` on an MI300 (the portable metric
 # names in `profiling/rocprofv3.yaml`), but that path has **not yet run on an MI300**: no
 # AMD counters are shown, and nothing here speaks for one.
 #
@@ -78,7 +79,8 @@ P.show(P.bandwidth_agreement(joined))
 # over the swept attention time. The short kernels (~40-210 µs) differ most: one profiled
 # launch under ncu against the median of graph replays with rotating inputs, so a short
 # kernel can read a few percent slower under ncu, and its counter bandwidth a few percent
-# lower; the long kernels (>= 250 µs) agree within about 1.5%. `read_ratio` is the counted DRAM reads
+# lower; the long kernels (>= 250 µs) agree within 1.7% in time (and in counter bandwidth, but
+# for one scalar row at 1.033). `read_ratio` is the counted DRAM reads
 # over the bytes the kernel must read (K and V once, q, block tables excluded): 1.00 means
 # every K/V byte came from DRAM exactly once — no re-reads from a poor access order, and no
 # help from the L2 (each launch reads its cache cold).
@@ -185,7 +187,8 @@ for run, g in main.groupby("run"):
 
 # %% [markdown]
 # ## Can any reader of this layout beat SDPA at the long shapes?
-# Target 2 is not met at the shapes with at least 128k tokens in the batch (notebook 01). The
+# Target 2 is not met at the 10 shapes with at least 128k tokens in the batch (0.972-0.991x),
+# and is missed by under 0.35% at 1 x 64k, 2 x 32k and 4 x 16k (0.997x; notebook 01). The
 # readers say whether it could be: each run below times the best `contiguous` and `paged`
 # reader, the kernel (mfma16 at the run's partition sizes) and cuDNN SDPA at one long shape, in
 # one call (`bash scripts/h200.sh readpattern-shapes`). `sdpa_over_*` above 1 is faster than
@@ -262,8 +265,9 @@ for commit, context in (("72a477e", 32768), ("39c06c6", 131072)):  # 8 x 32k, th
 
 # %% [markdown]
 # Every one moves the same bytes (1.074 GB from DRAM at 8 x 32k, 4.30 GB at 8 x 128k), and time
-# follows the DRAM throughput. The readers reach cuDNN's ~94% with twice the kernel's warps per SM -- 8 warps
-# per program, or the kernel's 16 KB per warp with 16 warps per SM -- while a reader with 4
+# follows the DRAM throughput. The readers reach cuDNN's ~94% with more warps per SM than the
+# kernel: 8 warps per program (about four times the kernel's active warps), or the kernel's
+# 16 KB per warp with twice its warps (16 warps per SM) -- while a reader with 4
 # warps per program sits where the kernel's loads do (92.4-92.9%). cuDNN gets there with the
 # kernel's 8 warps per SM by staging K and V through shared memory with cp.async. For this
 # kernel, more warps means fewer registers per warp; those forms were measured (notes,
