@@ -28,7 +28,7 @@ def sm90():
 
 
 def test_tables_are_of_the_quoted_sources():
-    for arch in ("gfx942", "sm_90"):
+    for arch in ("gfx942", "gfx90a", "sm_90"):
         assert set(O.load_static_table(arch).sources_digest) == {"0d13b6f6db320c84"}, arch
 
 
@@ -112,3 +112,24 @@ def test_llama70b_slots_modeled():
     assert round(100 * m.loc[256, "wave_efficiency"]) == 42 and round(100 * m.loc[64, "wave_efficiency"]) == 84
     h = O.grid_table("sm_90", shape, tilings=["mfma16"], partition_sizes=[256]).iloc[0]
     assert (h.slots, h.workgroups, h.waves, round(100 * h.wave_efficiency)) == (264, 256, 1, 97)
+
+
+def test_gfx90a_matches_gfx942_to_a_few_registers():
+    t = O.resource_table("gfx90a")
+
+    def g(tiling, head):
+        return t[(t.tiling == tiling) & (t.head_size == head)]
+
+    assert _span(g("mfma16", 128).total_vgprs) == (142, 150) and set(g("mfma16", 128).waves_per_simd) == {3}
+    assert set(g("mfma16", 128).workgroups_per_cu) == {3} and len(g("mfma16", 128)) == 64
+    assert _span(g("mfma16", 64).total_vgprs) == (90, 95) and set(g("mfma16", 64).waves_per_simd) == {5}
+    assert _span(g("mfma16", 256).total_vgprs) == (304, 322) and set(g("mfma16", 256).waves_per_simd) == {1}
+    assert _span(g("mfma4", 128).total_vgprs) == (228, 240) and set(g("mfma4", 128).waves_per_simd) == {2}
+    scratch = t[t.scratch_bytes > 0]
+    assert len(scratch) == 96 and set(scratch.tiling) == {"scalar"} and set(scratch.head_size) == {256}
+    assert {c: int(scratch[scratch.heads_cap == c].scratch_bytes.max()) for c in (4, 8, 16)} == {4: 220, 8: 1000,
+                                                                                                16: 4512}
+    r = O.resource_table("gfx90a", kernel="reduce")
+    assert set(r.vgprs) == {80} and set(r.waves_per_simd) == {6}
+    f = O.resource_table("gfx90a", kernel="reduce_few")
+    assert set(f.vgprs) == {45} and set(f.sgprs) == {21}
