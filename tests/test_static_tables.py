@@ -133,3 +133,42 @@ def test_gfx90a_matches_gfx942_to_a_few_registers():
     assert set(r.vgprs) == {80} and set(r.waves_per_simd) == {6}
     f = O.resource_table("gfx90a", kernel="reduce_few")
     assert set(f.vgprs) == {45} and set(f.sgprs) == {21}
+
+
+def _shared_vs_fixed(arch):
+    import pandas as pd
+
+    ss = pd.read_csv(ROOT / "data" / "static" / f"{arch}-shared-steps.csv")
+    fx = pd.read_csv(ROOT / "data" / "static" / f"{arch}.csv")
+    a = ss[ss.kernel == "attention"]
+    assert a.shared_steps.all() and a.symbol.str.contains("Lb1EE").all()  # the STEAL=true instantiation
+    assert set(a.sources_digest) == {"0d13b6f6db320c84"}
+    return a.merge(fx[fx.kernel == "attention"], on="variant", suffixes=("_s", "_f"))
+
+
+def test_shared_steps_tables_sm90():
+    from cpa.occupancy import hopper_occupancy
+
+    m = _shared_vs_fixed("sm_90")
+    assert len(m) == 576
+    d = m[(m.tiling_s == "mfma16") & (m.head_size_s == 128) & (m.heads_cap_s == 8)]
+    assert _span(d.registers_f) == (191, 221) and _span(d.registers_s) == (223, 234) and (d.spills_s == 0).all()
+    cap16 = m[(m.head_size_s == 128) & (m.heads_cap_s == 16)]
+    assert (cap16.spills_f == 0).all()
+    assert dict(cap16[cap16.spills_s > 0].groupby("tiling_s").size()) == {"mfma16": 42, "mfma4": 48}
+    assert int(cap16.spills_s.max()) == 120
+    assert int(m[m.head_size_s == 256].spills_s.max()) == 5500
+    fewer = [hopper_occupancy(rf, sh, t).blocks_per_sm > hopper_occupancy(rs, sh, t).blocks_per_sm
+             for rf, rs, sh, t in zip(m.registers_f, m.registers_s, m.shared_bytes_s, m.threads_per_block_s)]
+    assert sum(fewer) == 88 and set(m[fewer].head_size_s) == {64}
+
+
+def test_shared_steps_tables_gfx942():
+    m = _shared_vs_fixed("gfx942")
+    assert len(m) == 264 and (m.scratch_bytes_s == 0).all() and (m.lds_bytes_s == m.lds_bytes_f).all()
+    more = [O.cdna_total_vgprs(v, a) - O.cdna_total_vgprs(w, b)
+            for v, a, w, b in zip(m.vgprs_s, m.agprs_s, m.vgprs_f, m.agprs_f)]
+    assert (min(more), max(more)) == (-12, 8) and sum(x < 0 for x in more) == 10
+    moved = m[m.waves_per_simd_compiler_s != m.waves_per_simd_compiler_f]
+    assert len(moved) == 22 and set(moved.head_size_s) == {64}
+    assert (moved.waves_per_simd_compiler_f - moved.waves_per_simd_compiler_s == 1).all()
