@@ -177,7 +177,9 @@ def speedups(df, baseline_partition: int = 256):
 
     ``vs_p<N>`` = time of the best tiling at partition N / time of the best variant (> 1:
     choosing the partition size per shape pays); ``vs_<peer>`` = peer time / best CPA time
-    (> 1: CPA is faster)."""
+    (> 1: CPA is faster); ``<peer>_same_run``: the peer row was timed in the best CPA row's run
+    (False for rows merged from another run, e.g. the shipped FlashInfer rows: the same code can
+    run ~1% apart between runs, so such a ratio is not like for like)."""
     import pandas as pd
 
     d = cpa_rows(df)
@@ -192,9 +194,12 @@ def speedups(df, baseline_partition: int = 256):
 
     ok = timed_rows(df)
     for p in peer_names(df):
-        t = ok[ok.tiling == p].set_index("point_id").time_us
-        out[f"{p}_us"] = t
-        out[f"vs_{p}"] = t / best.time_us
+        rows = ok[ok.tiling == p].set_index("point_id")
+        out[f"{p}_us"] = rows.time_us
+        out[f"vs_{p}"] = rows.time_us / best.time_us
+        if "run_id" in rows and "run_id" in best:
+            rid = rows.run_id.reindex(best.index)
+            out[f"{p}_same_run"] = (rid == best.run_id).astype("boolean").where(rid.notna())
     return pd.DataFrame(out).reset_index()
 
 

@@ -90,9 +90,9 @@ def main(argv=None) -> int:
             ls = [1, p - 1, p + 1, 2 * p, (cl - 1) * p + 1, cl * p]
         inp = make_paged_inputs(len(ls), 2 * g, 2, 128, 16, ls, dtype=dtype, kv_cache_dtype=kv, device="cuda",
                                 seed=p + g)
-        launch = ops.prepare(**inp.as_kwargs(), tiling=t, partition_size=p, cluster_reduce=bool(cl),
-                             shared_steps=shared, fused_reduce=fused)
-        out = launch()
+        launch = ops.prepare(**inp.as_kwargs(), out=torch.full_like(inp.query, float("nan")), tiling=t,
+                             partition_size=p, cluster_reduce=bool(cl), shared_steps=shared, fused_reduce=fused)
+        out = launch()  # (into a NaN-poisoned out: an element the launch leaves unwritten shows)
         ref = reference.paged_attention(**inp.as_kwargs())
         err = reference.relative_error(out, ref, per_seq=True)
         if fused:  # the same launch again: its counters are the ones the first launch reset
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     ref = reference.paged_attention(**inp.as_kwargs())
     fused = ops.prepare(**inp.as_kwargs(), tiling="mfma16", partition_size=512).fused_reduce
     for _ in range(2):
-        err = reference.relative_error(cpa.paged_attention(**inp.as_kwargs(), tiling="mfma16", partition_size=512),
+        err = reference.relative_error(cpa.paged_attention(**inp.as_kwargs(), tiling="mfma16", partition_size=512,
+                                                           out=torch.full_like(inp.query, float("nan"))),
                                        ref, per_seq=True)
         ok = err <= reference.REL_ERR_TOL[torch.float16]
         failed += not ok
@@ -139,7 +140,12 @@ def main(argv=None) -> int:
         launch = ops.prepare(**dict(kw, seq_lens=seq_lens), tiling="mfma16", partition_size=256, check_values=False,
                              max_seq_len=tokens, **opts)
         seq_lens.copy_(grown)
-        err = max(reference.relative_error(launch(), truncated[tokens], per_seq=True) for _ in range(2))
+
+        def poisoned_run():  # each replay into a NaN-poisoned out: the first's result cannot hide the second's
+            launch.out.fill_(float("nan"))
+            return launch()
+
+        err = max(reference.relative_error(poisoned_run(), truncated[tokens], per_seq=True) for _ in range(2))
         counters = launch.fused_counters if name == "fused" else launch.steal_counters
         ok = err <= reference.REL_ERR_TOL[torch.float16] and (counters is None or int(counters.abs().sum()) == 0)
         failed += not ok

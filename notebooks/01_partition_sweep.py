@@ -86,18 +86,24 @@ print(f"choosing the partition size per shape instead of a fixed 256: median {sp
       f"max {sp.vs_p256.max():.2f}x over {len(sp)} shapes")
 
 # %% [markdown]
-# ## Against the peers, in the same run
+# ## Against the peers
 # `sdpa`: torch `scaled_dot_product_attention` (cuDNN backend) on **contiguous** K/V gathered
 # before timing — the dense-layout upper bound, not a paged kernel. `flashinfer`: FlashInfer's
 # paged batch decode (tensor-core path, HND pages of 16 tokens, the block table as page
 # table) — the paged peer. `flex`: `torch.compile(flex_attention)` on contiguous K/V.
-# Values above 1 mean the CPA kernel is faster.
+# Values above 1 mean the CPA kernel is faster. SDPA and flex ran in the CPA rows' run; the
+# FlashInfer rows were **merged from an earlier run** (e7697f4: the wheel was not carried since),
+# in which SDPA -- the same code -- ran a median 1.3% slower (0.96-1.07x) than in this one, so
+# `vs_flashinfer` leans toward CPA by about that much (the titles say "other run").
 
 # %%
 for peer in A.peer_names(main.df):
     col = f"vs_{peer}"
     if col in sp and sp[col].notna().any():
-        P.show(P.speedup_heatmap(sp, col, title=f"{peer} time / best CPA time", source=src))
+        same = sp.get(f"{peer}_same_run")
+        other = same is not None and not bool(same[sp[col].notna()].all())
+        P.show(P.speedup_heatmap(sp, col, title=f"{peer} time / best CPA time" + (" (other run)" if other else ""),
+                                 source=src))
 
 # %%
 cols = ["num_seqs", "max_seq_len", "tiling", "partition_size", "time_us", "frac_peak_bw", "vs_p256"] + \

@@ -107,3 +107,41 @@ def test_sm90_shape_choice_does_not_hang_on_the_fitted_constant(monkeypatch):
         fewest = -(-(t.num_seqs * t.num_kv_heads * -(-t.max_seq_len // largest)) // slots)
         assert (waves == fewest).all()
     assert chosen[1e6] != chosen[base["t_wave_us"]]
+
+
+def test_merged_peer_rows_are_marked_and_the_runs_apart_quoted():
+    """Notebook 01: the FlashInfer rows of the shipped llama70b sweep come from the e7697f4 run, in
+    which SDPA ran a median 1.3% slower (0.96-1.07x) than in the CPA rows' run; speedups() marks
+    such rows (<peer>_same_run False) and the heatmap says "other run"."""
+    import pandas as pd
+
+    from cpa import analysis as A
+
+    d = A.sweep_results("llama70b-decode", mode="shipped").df
+    sp = A.speedups(d)
+    assert (sp.flashinfer_same_run == False).all()  # noqa: E712
+    assert bool(sp.sdpa_same_run.dropna().all()) and bool(sp.flex_same_run.dropna().all())
+    root = Path(__file__).resolve().parents[1]
+    old = pd.read_parquet(root / "data" / "sweeps" / "experiments" / "h200-llama70b-decode-e7697f4.parquet")
+    fi_runs = set(d[d.tiling == "flashinfer"].run_id)
+    s_now = d[(d.tiling == "sdpa") & d.verified].set_index("point_id").time_us
+    s_then = old[(old.tiling == "sdpa") & old.verified & old.run_id.isin(fi_runs)].set_index("point_id").time_us
+    r = (s_then / s_now).dropna()
+    assert len(r) >= 50 and round(float(r.median()), 3) == 1.013 and 0.96 < r.min() and r.max() < 1.075
+    text = (root / "notebooks" / "01_partition_sweep.py").read_text()
+    assert "median 1.3% slower (0.96-1.07x)" in text
+
+
+def test_the_merged_flex_rows_of_mixed_lengths_are_another_set_up():
+    """data/sweeps/README.md: 3 flex rows of the mixed-lengths table were merged from fb24390 and
+    compiled without dynamic=False: 12.6-13.7x the best CPA time against 2.6-6.3x; marked other-run."""
+    from cpa import analysis as A
+
+    d = pd.read_parquet(Path(__file__).resolve().parents[1] / "data" / "sweeps" / "h200-mixed-lengths.parquet")
+    sp = A.speedups(d)
+    other = sp[sp.flex_same_run == False]  # noqa: E712
+    same = sp[sp.flex_same_run == True]  # noqa: E712
+    assert len(other) == 3 and other.vs_flex.between(12.6, 13.7).all() and same.vs_flex.between(2.6, 6.3).all()
+    flex = d[d.tiling == "flex"]
+    assert (~flex[flex.run_id.isin(set(d[d.tiling == "flex"].run_id) - set(d[d.tiling == "mfma16"].run_id))]
+            .note.str.contains("dynamic=False")).all()
