@@ -336,6 +336,7 @@ class GridOccupancy:
     partials_bytes_written: int  # attention -> tmp_out, max_logits, exp_sums (fp32)
     partials_bytes_read: int  # reduce reads them back
     partials_bytes: int  # written + read = 2 x num_seqs x num_heads x partitions x (head_size + 2) x 4
+    kv_elem_bytes: int = 2  # bytes per cached K / V element: 1 with an fp8 cache
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -395,7 +396,8 @@ def grid_occupancy(*, variant: V.Variant, num_seqs: int, num_heads: int, num_kv_
         full_waves=wg // slots, tail_workgroups=wg % slots, waves=waves, wave_efficiency=wg / (waves * slots),
         cu_fill=min(wg, slots) / slots, reduce_launched=launched, reduce_kernel=r_kernel or "", reduce_workgroups=r_wg,
         reduce_threads=r_threads, reduce_resident_per_cu=r_per_cu, reduce_waves=r_waves,
-        partials_bytes_written=one_way, partials_bytes_read=one_way, partials_bytes=2 * one_way)
+        partials_bytes_written=one_way, partials_bytes_read=one_way, partials_bytes=2 * one_way,
+        kv_elem_bytes=1 if variant.kv_cache_dtype == "fp8" else 2)
 
 
 def grid_from_table(df, variant: V.Variant, *, num_seqs: int, num_heads: int, num_kv_heads: int, max_seq_len: int,
@@ -586,8 +588,11 @@ def wave_model_times(model: WaveModel, candidates, *, num_seqs: int, num_heads: 
     return out
 
 
-def kv_bytes_of(g, elem: int = 2):
-    """K and V read once for grid_table rows (equal lengths): 2 x seqs x len x kv heads x head x elem."""
+def kv_bytes_of(g, elem: int | None = None):
+    """K and V read once for grid_table rows (equal lengths): 2 x seqs x len x kv heads x head x elem;
+    elem None: each row's own ``kv_elem_bytes`` (1 for an fp8 cache; 2 for tables without the column)."""
+    if elem is None:
+        elem = g.kv_elem_bytes if "kv_elem_bytes" in getattr(g, "columns", ()) else 2
     return 2 * g.num_seqs * g.max_seq_len * g.num_kv_heads * g.head_size * elem
 
 

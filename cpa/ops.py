@@ -32,9 +32,13 @@ def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_
     `resident_per_sm(variant)` says how many workgroups of a variant one SM holds (ops builds
     it and asks the runtime); it is asked once, for the size a guess of RESIDENT_GUESS picks,
     and the choice is made again with its answer. `compute_units`: the device's SMs."""
+    if tiling is not None:  # the caller's tiling, refused for what it is (not as "no partition size fits")
+        V.heads_cap_for(tiling, platform, shape.gqa_ratio)
+    fixed_default = False
     if tiling is None or partition_size is None:
         d_tiling, d_partition, _ = V.default_choice(arch, shape.gqa_ratio, shape.query_dtype, shape.kv_cache_dtype)
         tiling = tiling or d_tiling
+        fixed_default = partition_size is None and d_partition != V.BY_SHAPE
         partition_size = partition_size or d_partition
 
     def variant_at(p: int) -> V.Variant:
@@ -45,7 +49,20 @@ def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_
     if partition_size == V.BY_SHAPE:
         partition_size = _by_shape(shape, variant_at, tiling=tiling, platform=platform, arch=arch,
                                    resident_per_sm=resident_per_sm, compute_units=compute_units, allowed=allowed)
+    elif fixed_default and allowed is not None and not allowed(variant_at(partition_size)):
+        # a device's fixed default the launch's options cannot take (shared steps need longer
+        # partitions than gfx942's 256 with mfma4): the next size up that they can
+        partition_size = next((p for p in V.PARTITION_SIZES if p > partition_size and _builds(variant_at, p)
+                               and allowed(variant_at(p))), partition_size)
     return variant_at(partition_size)
+
+
+def _builds(variant_at, p: int) -> bool:
+    try:
+        variant_at(p)
+        return True
+    except ValueError:
+        return False
 
 
 RESIDENT_GUESS = 2  # workgroups per SM of the 16-bit head-128 variants on the H200 (data/static/sm_90.csv)

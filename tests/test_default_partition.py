@@ -207,3 +207,52 @@ def test_resident_per_sm_asks_once_per_variant_without_its_partition_size(monkey
     assert ops.resident_per_sm(dataclasses.replace(v, head_size=64), "cuda:0") == 3
     assert ops.resident_per_sm(v, "cuda:1") == 2
     assert len(built) == 3
+
+
+# ------------------------------------------------------------ the variants audit
+def _shape(num_heads=16, num_kv_heads=2):
+    import torch
+
+    from cpa.inputs import make_paged_inputs
+    from cpa.validation import validate_paged_attention_args
+
+    inp = make_paged_inputs(2, num_heads, num_kv_heads, 128, 16, [40, 100], dtype=torch.float16)
+    return validate_paged_attention_args(**inp.as_kwargs())
+
+
+def test_a_bad_tiling_is_refused_as_such_with_a_shape_chosen_size():
+    """With partition_size=None on sm_90 a misspelt tiling read 'no partition size fits'."""
+    import pytest
+
+    from cpa import ops
+
+    kw = dict(partition_size=None, platform="cuda", arch="sm_90", resident_per_sm=lambda v: 2, compute_units=132)
+    with pytest.raises(ValueError, match="tiling='MFMA16' is not supported"):
+        ops.select_variant(_shape(), tiling="MFMA16", **kw)
+    with pytest.raises(ValueError, match="GQA ratio num_heads/num_kv_heads=17 is not supported"):
+        ops.select_variant(_shape(num_heads=34), tiling="scalar", **kw)
+
+
+def test_shared_steps_take_the_next_size_up_from_a_fixed_default():
+    """gfx942's default for GQA <= 4 is mfma4 at 256, too short for shared steps (512 there): the
+    launcher takes 512 instead of refusing a size the caller never gave; without the option, 256."""
+    from cpa import ops
+    from cpa import variants as V
+
+    s = _shape(num_heads=8, num_kv_heads=2)
+    allowed = lambda v: V.shared_steps_unsupported(v) is None  # noqa: E731
+    kw = dict(tiling=None, partition_size=None, platform="hip", arch="gfx942")
+    assert ops.select_variant(s, allowed=allowed, **kw).name == "mfma4-p512-h128-b16-fp16-kvauto-g4-hip"
+    assert ops.select_variant(s, **kw).name == "mfma4-p256-h128-b16-fp16-kvauto-g4-hip"
+
+
+def test_wave_model_predict_counts_an_fp8_cache_at_one_byte():
+    from cpa import occupancy as O
+
+    shape = [dict(num_seqs=8, num_heads=64, num_kv_heads=8, max_seq_len=32768)]
+    m = O.shape_model("sm_90")
+    for kv, elem in (("auto", 2), ("fp8", 1)):
+        g = O.grid_table("sm_90", shape, tilings=["mfma16"], partition_sizes=[8192], kv_cache_dtype=kv)
+        t = O.wave_model_times(m, [8192], num_seqs=8, num_heads=64, num_kv_heads=8, head_size=128, max_seq_len=32768,
+                               kv_elem_bytes=elem, slots=int(g.slots.iloc[0]), compute_units=132)[8192]
+        assert abs(float(m.predict(g).iloc[0]) - t) < 1e-9 and int(g.kv_elem_bytes.iloc[0]) == elem
