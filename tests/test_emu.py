@@ -255,3 +255,69 @@ def test_mi300s_fp8_encoding_e4m3fnuz(tiling, dtype):
     assert torch.equal(emu.paged_attention(**raw, partition_size=P, tiling=tiling, fp8_format="e4m3fnuz"), out)
     wrong = emu.paged_attention(**raw, partition_size=P, tiling=tiling)  # (read as e4m3fn: the CPU's default)
     assert reference.relative_error(wrong, out) > 0.5
+
+
+# ------------------------------------------------------------ seeded random configurations
+def _random_cases(n: int, seed: int = 2026):
+    """Valid AMD configurations drawn at random (fixed seed): what the fixed matrix above reaches
+    least -- the block-wide reduce over many partitions, the fused combine over several of its
+    8-partition rounds, GQA ratios that leave tile rows empty, both fp8 encodings, ALiBi, a grid
+    sized past every sequence, lengths at block and partition edges."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        t = rng.choice(V.TILINGS)
+        p = rng.choice((64, 128, 128, 256, 512, 1024))
+        head, block = rng.choice((64, 128, 256)), rng.choice((16, 32))
+        gqa = rng.randint(1, 4 if t == "mfma4" else 16)
+        kv = rng.choice(("auto", "fp8"))
+        try:
+            v = V.variant_for(tiling=t, partition_size=p, head_size=head, block_size=block, dtype="fp16",
+                              kv_cache_dtype=kv, gqa_ratio=gqa, platform="hip")
+        except ValueError:
+            continue
+        parts = rng.choice((2, 5, 9, 17)) if p <= 128 else rng.choice((1, 2, 3))
+        edge = [1, block - 1, block + 1, p - 1, p, p + 1]
+        lens = [max(1, min(parts * p, rng.choice(edge + [rng.randint(1, parts * p)])))
+                for _ in range(rng.randint(0, 4))] + [parts * p - rng.choice((0, 0, 1))]  # (the longest last)
+        out.append(dict(variant=v, tiling=t, partition_size=p, head_size=head, block_size=block, gqa=gqa,
+                        num_kv_heads=rng.randint(1, 3), kv=kv, dtype=rng.choice(("fp16", "bf16")),
+                        fp8_format=rng.choice(("e4m3fn", "e4m3fnuz")), alibi=rng.random() < 0.3,
+                        fused=rng.random() < 0.4, extra=rng.choice((0, 0, p)), lens=lens, seed=rng.randrange(10_000)))
+    return out
+
+
+RANDOM_CASES = _random_cases(32)
+
+
+@pytest.mark.parametrize("c", RANDOM_CASES, ids=[f"r{i}" for i in range(len(RANDOM_CASES))])
+def test_random_configurations(c):
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(len(c["lens"]), c["gqa"] * c["num_kv_heads"], c["num_kv_heads"], c["head_size"],
+                            c["block_size"], c["lens"], dtype=TORCH_DTYPE[c["dtype"]], kv_cache_dtype=c["kv"],
+                            seed=c["seed"], alibi=c["alibi"], fp8_format=c["fp8_format"])
+    kw = inp.as_kwargs()
+    msl = max(c["lens"]) + c["extra"]  # (a grid sized past every sequence)
+    P = c["partition_size"]
+    out, es, ml, tmp = emu.paged_attention(**kw, partition_size=P, tiling=c["tiling"], fused_reduce=c["fused"],
+                                           return_intermediates=True, max_seq_len=msl, check_values=False)
+    ref = reference.paged_attention(**kw)
+    tol = reference.REL_ERR_TOL[inp.query.dtype]
+    assert not torch.isnan(out).any()
+    err = reference.relative_error(out, ref, per_seq=True)
+    assert err <= tol, f"{c['variant'].name} {c['lens']} fused={c['fused']}: output error {err:.3g} > {tol:g}"
+    _, ref_es, ref_ml, _ = reference.paged_attention(**kw, partition_size=P, return_intermediates=True)
+    parts = torch.tensor([math.ceil(s / P) for s in c["lens"]])
+    valid = (torch.arange(ref_ml.shape[-1])[None, :] < parts[:, None])[:, None, :].expand_as(ref_ml)
+    torch.testing.assert_close(ml[..., :ref_ml.shape[-1]][valid], ref_ml[valid], rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(es[..., :ref_es.shape[-1]][valid], ref_es[valid], rtol=2e-3, atol=1e-4)
+
+
+def test_random_cases_reach_the_paths_the_matrix_reaches_least():
+    multi = [c for c in RANDOM_CASES if max(c["lens"]) > 8 * c["partition_size"]]
+    assert any(c["fused"] for c in multi) and any(not c["fused"] for c in multi)
+    assert {c["fp8_format"] for c in RANDOM_CASES if c["kv"] == "fp8"} == {"e4m3fn", "e4m3fnuz"}
+    assert any(c["extra"] for c in RANDOM_CASES) and any(c["alibi"] for c in RANDOM_CASES)
