@@ -8,6 +8,12 @@
 // every live lane of a wave is waiting at the same wave-wide operation it is computed for the
 // whole wave, and a barrier opens when every live thread of the workgroup waits at one.
 // Lanes of one wave waiting at different operations are a divergent collective: an error.
+// Not caught: lanes of one wave at the same kind of operation from two different branches
+// (an if/else with a permute or an MFMA in each) are computed as one, where hardware runs each
+// branch with the other's lanes off and a permute reads 0 from them -- every call site in the
+// kernels is wave-uniform (audited 2026-12-06), so keep it that way. __builtin_amdgcn_exp2f is
+// libm's exp2f here; v_exp_f32 is within 1 ULP and flushes denormal results (far below the
+// tolerances). The MFMA modifiers (cbsz, abid, blgp) are ignored: the kernels pass 0.
 // Workgroups run one after another, so `__shared__` is a function-local static (thread_local:
 // one emulated workgroup per host thread).
 #pragma once
