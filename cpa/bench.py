@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .fsio import write_csv_atomic
+
 LLAMA70B = dict(num_heads=64, num_kv_heads=8, head_size=128, block_size=16)
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -344,6 +346,21 @@ def sdpa_cudnn(q, k, v, scale):
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
 
 
+def sdpa_calls(sets: DeviceSets, seq_len: int):
+    """(calls, outs): one cuDNN SDPA call per input set over that set's contiguous K/V (what SDPA
+    is timed on, rotating as the kernel's sets do), each writing its [S, H, 1, D] output to outs[i]."""
+    kvs = [contiguous_kv(sets, i, seq_len) for i in range(len(sets.queries))]
+    qs = [q.unsqueeze(2) for q in sets.queries]  # [S, H, 1, D]
+    outs = [None] * len(qs)
+
+    def call(i):
+        def f():
+            outs[i] = sdpa_cudnn(qs[i], kvs[i][0], kvs[i][1], sets.scale)
+        return f
+
+    return [call(i) for i in range(len(qs))], outs
+
+
 def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
     import torch
 
@@ -352,35 +369,19 @@ def _sdpa_row(sets, ctx, base, ref, tol, replays, read_gbps):
 
     row = dict(base, tiling="sdpa_cudnn", partition_size=0)
     try:
-        kvs = [contiguous_kv(sets, i, ctx) for i in range(len(sets.queries))]
-        qs = [q.unsqueeze(2) for q in sets.queries]  # [S, H, 1, D]
-        outs = [None] * len(qs)
-
-        def call(i):
-            def f():
-                outs[i] = sdpa_cudnn(qs[i], kvs[i][0], kvs[i][1], sets.scale)
-            return f
-
-        calls = [call(i) for i in range(len(qs))]
+        calls, outs = sdpa_calls(sets, ctx)
         calls[0]()
         torch.cuda.synchronize()
         err = reference.relative_error(outs[0].squeeze(2), ref, per_seq=True)
         t = time_graph(calls, replays=replays)
         row.update(t.as_dict(), attn_time_us=t.median_us, reduce_time_us=0.0, num_partitions=1,
-                   bytes=sets.kv_bytes_per_set + 2 * qs[0].numel() * 2,
+                   bytes=sets.kv_bytes_per_set + 2 * sets.queries[0].numel() * 2,
                    gbps=sets.kv_bytes_per_set / (t.median_us * 1e-6) / 1e9, verified=bool(err <= tol),
                    max_rel_err=err)
         row["frac_peak_bw"] = row["gbps"] / read_gbps
     except Exception as e:  # cuDNN missing or refusing the shape: say so in the table
         row.update(error=f"{type(e).__name__}: {e}"[:300])
     return row
-
-
-def write_csv_atomic(df, path) -> None:
-    """(cpa.fsio.write_csv_atomic: temporary file, fsync, rename.)"""
-    from .fsio import write_csv_atomic as write
-
-    write(df, path)
 
 
 def _verified(df):

@@ -10,6 +10,8 @@ from typing import Optional
 
 import typer
 
+from .fsio import write_csv_atomic
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -321,7 +323,7 @@ def host_profile(
     except RuntimeError as e:
         typer.echo(f"cpa host-profile: {e}", err=True)
         raise typer.Exit(2) from None
-    B.write_csv_atomic(df, out)
+    write_csv_atomic(df, out)
     first = df.iloc[0]
     print(f"{mode}, {batch} x {context}: {first.host_us:.1f} us per call unprofiled, "
           f"{first.self_us:.1f} us under cProfile")
@@ -378,18 +380,14 @@ def static(
     if head_sizes:
         filters["head_sizes"] = tuple(_ints(head_sizes))
     try:
-        vs = S.variants_for_arch(arch, **filters)
-        if shared_steps and not any(V.shared_steps_unsupported(v) is None for v in vs):
-            raise ValueError("--shared-steps: none of the selected variants can share its steps (each wave needs "
-                             f">= {V.SHARED_STEPS_MIN_STEPS_PER_WAVE} steps of its partition)")
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    try:
-        df = S.compile_variants(vs, arch, jobs=jobs, flags=tuple((flags or "").split()), shared_steps=shared_steps)
+        knob_flags = S.check_knob_flags((flags or "").split())
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--flags") from None
-    from .bench import write_csv_atomic
-
+    try:  # (every refusal -- arch, selection, --shared-steps -- comes before the first compiler run)
+        vs = S.variants_for_arch(arch, **filters)
+        df = S.compile_variants(vs, arch, jobs=jobs, flags=knob_flags, shared_steps=shared_steps)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     write_csv_atomic(df, out)
     att = df[df.kernel == "attention"]
     cols = [c for c in ("tiling", "partition_size", "head_size", "dtype", "kv_cache_dtype", "heads_cap", "vgprs",
@@ -455,8 +453,6 @@ def same_code(
     typer.echo(f"\n{arch} {df.level.iloc[0]}, {df.base.iloc[0][:12]} -> {df['head'].iloc[0][:12]}: {s['identical']} of "
                f"{s['variants']} variants compile to identical code in every kernel")
     if out:
-        from .bench import write_csv_atomic
-
         write_csv_atomic(df, out)
         typer.echo(f"wrote {out}")
     if fail_on_change and s["changed"]:
@@ -503,8 +499,6 @@ def sweep(
             typer.echo(f"  {p.point_id}  max {p.max_seq_len}  mean {p.mean_seq_len:.0f}  "
                        f"KV {p.kv_bytes / 2**20:.1f} MiB")
         return
-    if replays is not None and replays < 1:
-        raise typer.BadParameter(f"{replays}: at least 1 replay per timing", param_hint="--replays")
     r = SW.make_runner(runner, replays=replays, peers=_strs(peer_names))
     try:
         df = SW.run_sweep(g, out, runner=r, resume=resume, overwrite=overwrite, retry_errors=retry_errors,
@@ -630,7 +624,7 @@ def read_patterns(
                           kv_cache_dtype=kv_cache_dtype, load_only=tuple(_ints(load_only) or ()), configs=configs)
     except ValueError as e:  # pattern, shape or block order refused before any GPU work
         raise typer.BadParameter(str(e)) from None
-    B.write_csv_atomic(df, out)
+    write_csv_atomic(df, out)
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", 200):
         typer.echo(RP.best_per_pattern(df).round(3).to_string(index=False))
         typer.echo("\nGB/s by KB in flight per program and iteration (best over warps):")
@@ -663,7 +657,7 @@ def emu_check(
     from . import emu
 
     from . import variants as V
-    from .validation import normalize_kv_cache_dtype
+    from .validation import FP8_FORMATS, normalize_kv_cache_dtype
 
     lens, names, sizes = _ints(seq_lens), _strs(tilings), _ints(partition_sizes)
     if dtype not in ("fp16", "bf16") or not lens or min(lens) < 1:
@@ -673,8 +667,8 @@ def emu_check(
     if not sizes:
         raise typer.BadParameter("name at least one partition size", param_hint="--partition-sizes")
     normalize_kv_cache_dtype(kv_cache_dtype)
-    if fp8_format not in ("e4m3fn", "e4m3fnuz"):
-        raise typer.BadParameter(f"{fp8_format!r}: e4m3fnuz or e4m3fn", param_hint="--fp8-format")
+    if fp8_format not in FP8_FORMATS:
+        raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
     typer.echo(f"{'variant':<48} {'wave ops':>9} {'seconds':>8} {'rel err':>9}  verdict")
     bad = ran = 0
     for tiling in names:

@@ -26,6 +26,8 @@ import json
 import math
 from pathlib import Path
 
+from .fsio import write_text_atomic
+
 SCHEMA = "cpa.tuned/1"
 LOOKUP_RULE = ("the entries of the launch's exact configuration (gqa_ratio, head_size, block_size, dtype, "
                "kv_cache_dtype), else fallback_partition_size; of their kv_seqs (num_seqs x num_kv_heads) the "
@@ -291,12 +293,6 @@ def load(path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ writing
-def _atomic_write(path, text: str) -> None:
-    from .fsio import write_text_atomic  # (temporary file, fsync, rename)
-
-    write_text_atomic(path, text)
-
-
 def to_json(tuned: dict) -> str:
     return json.dumps(tuned, indent=1) + "\n"
 
@@ -388,6 +384,6 @@ def to_header(tuned: dict, *, json_name: str | None = None) -> str:
 def write(tuned: dict, *, json_path=None, header_path=None) -> None:
     """Write the JSON and / or the header (each atomically: a crash leaves the old file or the new)."""
     if json_path:
-        _atomic_write(json_path, to_json(tuned))
+        write_text_atomic(json_path, to_json(tuned))
     if header_path:
-        _atomic_write(header_path, to_header(tuned, json_name=Path(json_path).name if json_path else None))
+        write_text_atomic(header_path, to_header(tuned, json_name=Path(json_path).name if json_path else None))

@@ -37,6 +37,8 @@ import math
 import statistics
 import time
 
+from .fsio import write_csv_atomic
+
 MODES = ("checked", "unchecked", "fresh_counters", "prepared", "graph", "sdpa_cudnn")
 BATCHES = (1, 8)
 CONTEXTS = (2048, 32768)
@@ -233,11 +235,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, modes=MODES, calls: int = 100, re
             walls = [wall_us(call, calls) for _ in range(repeats)]
             if mode == "sdpa_cudnn":
                 if sdpa_t is None:  # over every set's contiguous K/V, as the kernel's (one set can sit in L2)
-                    kvs = [B.contiguous_kv(sets, i, seq_len) for i in range(len(sets.queries))]
-                    qs = [q.unsqueeze(2) for q in sets.queries]
-                    sdpa_t = time_graph([(lambda i=i: B.sdpa_cudnn(qs[i], kvs[i][0], kvs[i][1], sets.scale))
-                                         for i in range(len(qs))], replays=replays)
-                    del kvs
+                    sdpa_t = time_graph(B.sdpa_calls(sets, seq_len)[0], replays=replays)
                 device = sdpa_t.median_us
             else:
                 device = dev_t.median_us
@@ -251,7 +249,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, modes=MODES, calls: int = 100, re
             bar.update(1)
         with_sdpa_ratio(rows[-len(modes):])
         if out_csv is not None:
-            B.write_csv_atomic(pd.DataFrame(rows), out_csv)
+            write_csv_atomic(pd.DataFrame(rows), out_csv)
         del table, launch, _keep, per_set, sets
         torch.cuda.empty_cache()
     bar.close()

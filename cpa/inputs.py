@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-from .validation import normalize_kv_cache_dtype
+from .validation import FP8_FORMATS, normalize_kv_cache_dtype
 
 __all__ = ["PagedInputs", "make_paged_inputs", "alibi_slopes", "FP8_E4M3_MAX", "FP8_E4M3_NAN_BYTE",
            "FP8_E4M3FNUZ_MAX", "FP8_E4M3FNUZ_POISON_BYTE"]
@@ -47,6 +47,7 @@ FP8_E4M3_MAX = 448.0
 FP8_E4M3_NAN_BYTE = 0x7F
 FP8_E4M3FNUZ_MAX = 240.0
 FP8_E4M3FNUZ_POISON_BYTE = 0x7F  # +240
+_FP8_MAX = {"e4m3fn": FP8_E4M3_MAX, "e4m3fnuz": FP8_E4M3FNUZ_MAX}
 
 #: elements per chunk when filling the caches: bounds host memory for big caches, and each chunk
 #: has its own generator (so changing this changes the values)
@@ -173,9 +174,8 @@ def _fill_cache(
             # first pass: amax of everything to be drawn (chunks are re-drawn, not kept)
             amaxes = ex.map(lambda i: float(_draw_chunk(seed, stream, i, numel, std).abs().max()), range(n_chunks))
             amax = max(amaxes)
-            fmax = FP8_E4M3FNUZ_MAX if fp8_format == "e4m3fnuz" else FP8_E4M3_MAX
-            scale = amax / fmax if amax > 0 else 1.0
-        fp8_dtype = torch.float8_e4m3fnuz if fp8_format == "e4m3fnuz" else torch.float8_e4m3fn
+            scale = amax / _FP8_MAX[fp8_format] if amax > 0 else 1.0
+        fp8_dtype = FP8_FORMATS[fp8_format]
 
         def make(i: int) -> torch.Tensor:
             c = _draw_chunk(seed, stream, i, numel, std)
@@ -219,8 +219,8 @@ def make_paged_inputs(
     """
     kv_dtype = normalize_kv_cache_dtype(kv_cache_dtype)
     fp8 = kv_dtype == "fp8"
-    if fp8_format not in ("e4m3fn", "e4m3fnuz"):
-        raise ValueError(f"fp8_format: got {fp8_format!r}; allowed: 'e4m3fn', 'e4m3fnuz'")
+    if fp8_format not in FP8_FORMATS:
+        raise ValueError(f"fp8_format: got {fp8_format!r}; allowed: {', '.join(map(repr, FP8_FORMATS))}")
     fnuz = fp8 and fp8_format == "e4m3fnuz"
     device = torch.device(device)
     if isinstance(seq_lens, int):
@@ -292,7 +292,7 @@ def make_paged_inputs(
         key_cache.masked_fill_(unused[:, None, None, :, None], poison)
         value_cache.masked_fill_(unused[:, None, None, :], poison)
     if fnuz:  # (the dtype tells every reader which e4m3 the bytes are)
-        key_cache, value_cache = key_cache.view(torch.float8_e4m3fnuz), value_cache.view(torch.float8_e4m3fnuz)
+        key_cache, value_cache = key_cache.view(FP8_FORMATS[fp8_format]), value_cache.view(FP8_FORMATS[fp8_format])
 
     slopes = alibi_slopes(num_heads).to(device) if alibi else None
     return PagedInputs(

@@ -310,13 +310,12 @@ def compile_variant(variant: Variant, arch: str, *, verbose: bool = False) -> tu
     final_dir = cache_root() / f"{variant.name}-{arch}-{digest}"
     lib_path = final_dir / "kernel.so"
     meta_path = final_dir / "build.json"
-    if meta_path.exists() and _entry_ok(final_dir):
+    if _entry_ok(final_dir):
         return lib_path, True, 0.0
     with _file_lock(cache_root() / f"{variant.name}-{arch}-{digest}.lock"):
-        if meta_path.exists():
-            if _entry_ok(final_dir):  # another process finished it while we waited
-                return lib_path, True, 0.0
-            _discard(final_dir)
+        if _entry_ok(final_dir):  # another process finished it while we waited
+            return lib_path, True, 0.0
+        _discard(final_dir)  # (a damaged entry, or a library a crash left without its build.json)
         work = cache_root() / f"{variant.name}-{arch}-{digest}.tmp{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)

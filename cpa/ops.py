@@ -18,7 +18,6 @@ LOG2E = 1.4426950408889634
 # value / 256, e4m3fnuz's (exponent bias 8, one more than e4m3fn's) value / 128. The host folds
 # the factor into the scales, so one kernel binary reads either encoding.
 FP8_DECODE_FACTORS = {"e4m3fn": 256.0, "e4m3fnuz": 128.0}
-FP8_DECODE_FACTOR = FP8_DECODE_FACTORS["e4m3fn"]
 
 
 def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_size: int | None,
@@ -51,18 +50,12 @@ def select_variant(shape: PagedAttentionShape, *, tiling: str | None, partition_
                                    resident_per_sm=resident_per_sm, compute_units=compute_units, allowed=allowed)
     elif fixed_default and allowed is not None and not allowed(variant_at(partition_size)):
         # a device's fixed default the launch's options cannot take (shared steps need longer
-        # partitions than gfx942's 256 with mfma4): the next size up that they can
-        partition_size = next((p for p in V.PARTITION_SIZES if p > partition_size and _builds(variant_at, p)
-                               and allowed(variant_at(p))), partition_size)
+        # partitions than gfx942's 256 with mfma4): the next size up that they can (the sizes
+        # partition_candidates lists: those the variant builds with)
+        every = _candidates(tiling, shape.head_size, shape.block_size, shape.query_dtype, shape.kv_cache_dtype,
+                            shape.gqa_ratio, platform, max(V.PARTITION_SIZES))
+        partition_size = next((p for p in every if p > partition_size and allowed(variant_at(p))), partition_size)
     return variant_at(partition_size)
-
-
-def _builds(variant_at, p: int) -> bool:
-    try:
-        variant_at(p)
-        return True
-    except ValueError:
-        return False
 
 
 RESIDENT_GUESS = 2  # workgroups per SM of the 16-bit head-128 variants on the H200 (data/static/sm_90.csv)
@@ -222,7 +215,8 @@ def _folded_overflow(*folded: tuple[str, float]) -> ValueError:
 def kernel_scalars(shape: PagedAttentionShape, scale, k_scale, v_scale, kv_elem: int) -> tuple:
     """(scale_log2, out_scale, kv_block_stride, kv_head_stride) as the attention kernel takes them:
     logits in log2 units with k_scale folded in, the output factor with v_scale, and the cache
-    strides in bytes. The kernel decodes fp8 to value / 256, so both scales carry the 256 back.
+    strides in bytes. The kernel decodes fp8 to value / FP8_DECODE_FACTORS[shape.fp8_format] (256
+    for e4m3fn, 128 for e4m3fnuz), so both scales carry that factor back.
     Raises ValueError where a folded factor is not a finite float32 (the kernel's type)."""
     fp8 = shape.kv_cache_dtype == "fp8"
     factor = FP8_DECODE_FACTORS[shape.fp8_format or "e4m3fn"] if fp8 else 1.0

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .validation import FP8_FORMATS, PagedAttentionShape, default_fp8_format, validate_paged_attention_args
+from .validation import FP8_FORMATS, PagedAttentionShape, resolve_fp8_format, validate_paged_attention_args
 
 __all__ = [
     "REL_ERR_TOL",
@@ -304,9 +304,7 @@ def naive_paged_attention_fp64(inputs: Any) -> torch.Tensor:
     k_scale, v_scale = float(kw.get("k_scale", 1.0)), float(kw.get("v_scale", 1.0))
     slopes = kw.get("alibi_slopes")
     if kv_dtype == "fp8":  # decoded by its own table, not torch's float8 casts (see _e4m3_values)
-        fmt = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e4m3fnuz: "e4m3fnuz"}.get(kc.dtype) \
-            or kw.get("fp8_format") or default_fp8_format(kc.device)
-        table = _e4m3_values(fmt).to(kc.device)
+        table = _e4m3_values(resolve_fp8_format(kw.get("fp8_format"), kc)).to(kc.device)
 
     if q.device.type == "cpu":
         _warm_cpu_exp()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .analysis import ROOT, has_gpu
+from .fsio import write_text_atomic
 
 NOTEBOOKS = ROOT / "notebooks"
 DEFAULT_OUT = ROOT / "build" / "report"
@@ -57,12 +58,6 @@ def data_banner() -> str:
     else:
         src = "**Measured live on this machine's GPU** (results under `build/sweeps/`)."
     return f"> Built by `cpa report` on {stamp} at commit {git_commit()[:12]}. {src}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    from .fsio import write_text_atomic  # (temporary file, fsync, rename)
-
-    write_text_atomic(path, text)
 
 
 def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str | None = None):
@@ -106,12 +101,12 @@ def build_report(out: str | os.PathLike = DEFAULT_OUT, *, notebooks: list[Path] 
         nb, error = run_notebook(Path(src), out, timeout=timeout, banner=banner)
         body, _ = exporter.from_notebook_node(nb)
         page = f"{Path(src).stem}.html"
-        _atomic_write(out / page, body)
+        write_text_atomic(out / page, body)
         secs = time.perf_counter() - t0
         pages.append(Page(Path(src).stem, _title(nb, Path(src).stem), page, secs, error))
         echo(f"report: {src.name} -> {out / page} ({secs:.1f} s){' FAILED: ' + error if error else ''}")
     tuned = write_tuned(out / "tuned", echo=echo)
-    _atomic_write(out / "index.html", _index(pages, banner, tuned))
+    write_text_atomic(out / "index.html", _index(pages, banner, tuned))
     echo(f"report: {out / 'index.html'}")
     return pages
 

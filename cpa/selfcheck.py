@@ -46,7 +46,7 @@ def main(argv=None) -> int:
 
         import pandas as pd
 
-        from .bench import write_csv_atomic
+        from .fsio import write_csv_atomic
 
         tool, rc, log, out = args.record_sanitizer
         row = {**sanitizer_record(tool, int(rc), Path(log).read_text(errors="replace")), **provenance()}

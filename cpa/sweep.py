@@ -772,18 +772,14 @@ class CudaRunner:
             peer = self._peers[variant.tiling]
             return Built(("peer", peer, peer.build(state)), {})
         pt, sets = state.point, state.sets
-        fp8 = pt.kv_cache_dtype == "fp8"
-        kv_kw = dict(kv_cache_dtype=pt.kv_cache_dtype, k_scale=1.0, v_scale=1.0)
         try:
             out = torch.full_like(state.inputs.query, float("nan"))  # poisoned: unwritten outputs show
-            # the two-kernel design (attention, then the reduce launch) at every point, so that
-            # rows compare partition sizes on one structure; the in-kernel combines are bench modes
             ver = prepare(**state.inputs.as_kwargs(), partition_size=variant.partition_size, tiling=variant.tiling,
-                          out=out, cluster_reduce=False, fused_reduce=False)
+                          out=out, **TWO_KERNELS)
             launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache, block_tables=bt,
                                 seq_lens=sets.seq_lens, scale=sets.scale, partition_size=variant.partition_size,
                                 tiling=variant.tiling, max_seq_len=pt.max_seq_len, check_values=(i == 0),
-                                cluster_reduce=False, fused_reduce=False, **(kv_kw if fp8 else {}))
+                                **launch_kwargs(pt))
                         for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
         except ValueError as e:  # not a variant of this platform / shape
             raise Unsupported(f"{UNSUPPORTED}: {e}") from None
@@ -835,6 +831,20 @@ class CudaRunner:
             return True
         except Exception:
             return False
+
+
+# the two-kernel design (attention, then the reduce launch) at every point, so that rows compare
+# partition sizes on one structure; the in-kernel combines are bench modes
+TWO_KERNELS = dict(fused_reduce=False, cluster_reduce=False)
+
+
+def launch_kwargs(point) -> dict:
+    """prepare()'s options for a point's timing sets (and profiling/harness.py's launches): the
+    reduce as its own launch, and with an fp8 cache its dtype and scales 1 (`_fp8_sets`)."""
+    kw = dict(TWO_KERNELS)
+    if point.kv_cache_dtype == "fp8":
+        kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0)
+    return kw
 
 
 def _fp8_sets(sets):
@@ -1188,7 +1198,7 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
     and named (each row records its own). ``ceilings_json``: also record this run's
     measured read/copy ceilings there (:func:`write_ceilings`).
     """
-    from .provenance import now, provenance
+    from .provenance import device_name, now, provenance
 
     if not isinstance(grid, Grid):
         grid = load_grid(grid)
@@ -1205,19 +1215,16 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
         existing = store.compact()
         done = store.keys(existing, retry_errors=retry_errors) if resume else set()
         seeds = {pt.point_id: grid.point_seed(pt) for pt in grid.points}
-        if resume and not allow_mixed:
-            why = resume_conflicts(existing, runner=runner.name, device_name=provenance()["device_name"],
-                                   seeds=seeds)
+
+        def refuse_mixed(**this) -> None:
+            why = resume_conflicts(existing, **this) if resume and not allow_mixed else ""
             if why:
                 raise ValueError(f"{out}: cannot resume: {why} (pass allow_mixed=True / --allow-mixed to add "
                                  "rows of this run anyway)")
 
+        refuse_mixed(runner=runner.name, device_name=device_name(), seeds=seeds)  # (before any measurement)
         meta = runner.begin()
-        if resume and not allow_mixed:
-            why = resume_conflicts(existing, arch=meta.get("arch"))
-            if why:
-                raise ValueError(f"{out}: cannot resume: {why} (pass allow_mixed=True / --allow-mixed to add "
-                                 "rows of this run anyway)")
+        refuse_mixed(arch=meta.get("arch"))
         peer_rows, skipped = runner.peer_variants() if peers else ([], {})
         for name, why in skipped.items():
             echo(f"sweep: peer {name} skipped: {why}")
@@ -1262,7 +1269,7 @@ def run_sweep(grid: Grid | str, out: str | os.PathLike, *, runner: Runner | None
         bar = tqdm(total=total, desc=f"sweep {grid.name}", unit="row", disable=not progress, dynamic_ncols=True)
         try:
             for pt, vs in todo:
-                seed = grid.point_seed(pt)
+                seed = seeds[pt.point_id]
                 bar.set_postfix_str(pt.point_id, refresh=False)
                 base = {**common, **pt.columns(), "seed": seed}
                 try:

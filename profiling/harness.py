@@ -27,6 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# prepare()'s options for a point as the sweep's CUDA runner launches it (the fused and cluster
+# combines would profile another attention kernel than the one the sweep timed)
+from cpa.sweep import launch_kwargs  # noqa: E402
+
 MAPPING_COLUMNS = ("dispatch", "point_id", "tiling", "partition_size", "num_seqs", "max_seq_len", "num_heads",
                    "num_kv_heads", "head_size", "dtype", "kv_cache_dtype", "repeat")
 
@@ -47,15 +51,6 @@ def plan(grid, points, tilings, partition_sizes, repeats: int):
     g = grid.with_variants(tilings, partition_sizes)
     return [(pt, v, r) for pt in points for v in g.variants() for r in range(repeats)]
 
-
-def launch_kwargs(point) -> dict:
-    """prepare()'s options for a point, as the sweep's CUDA runner launches it: its KV cache
-    dtype, and the reduce as its own launch (two kernels at every point; the fused and cluster
-    combines would profile another attention kernel than the one the sweep timed)."""
-    kw = dict(fused_reduce=False, cluster_reduce=False)
-    if point.kv_cache_dtype == "fp8":
-        kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0)
-    return kw
 
 
 def main(argv=None) -> int:
