@@ -245,9 +245,10 @@ class BuiltKernel:
         return n
 
     def attributes(self) -> dict[str, dict[str, int]]:
-        """Registers, shared memory, stack, and resident blocks per SM/CU of the three kernels."""
+        """Registers, shared memory, stack, and resident blocks per SM/CU of the four kernels:
+        attention, reduce, reduce_few and attention_shared_steps (ops.prepare(shared_steps=True))."""
         res = {}
-        for which, kname in ((0, "attention"), (1, "reduce"), (2, "reduce_few")):
+        for which, kname in ((0, "attention"), (1, "reduce"), (2, "reduce_few"), (3, "attention_shared_steps")):
             buf = (ctypes.c_int * 6)()
             self.check(self.lib.cpa_kernel_attributes(which, buf), f"attributes({kname})")
             res[kname] = dict(zip(("registers", "shared_bytes", "local_bytes", "max_threads_per_block",

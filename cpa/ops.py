@@ -278,7 +278,7 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     kv_async = staged_loops_flagged() if shared_steps else False  # (reads the flags: only where needed)
     allowed = (lambda v: V.shared_steps_unsupported(v, kv_async=kv_async) is None) if shared_steps else None
     variant = select_variant(shape, tiling=tiling, partition_size=partition_size, platform=platform, arch=arch,
-                             resident_per_sm=lambda v: resident_per_sm(v, query.device),
+                             resident_per_sm=lambda v: resident_per_sm(v, query.device, shared_steps=shared_steps),
                              compute_units=_num_sms(query.device), allowed=allowed)
     num_partitions = -(-shape.max_seq_len // variant.partition_size)
     why = grid_limit_error(shape, num_partitions, variant.partition_size, reduce_launch=False)
@@ -387,14 +387,17 @@ def _sans_partition(variant: V.Variant) -> tuple:
     return tuple(getattr(variant, f.name) for f in dataclasses.fields(variant) if f.name != "partition_size")
 
 
-def resident_per_sm(variant: V.Variant, device) -> int:
+def resident_per_sm(variant: V.Variant, device, *, shared_steps: bool = False) -> int:
     """Attention workgroups of `variant` one SM/CU of `device` holds at once (the runtime's
-    occupancy query on the built kernel). Every partition size of a variant has the same
+    occupancy query on the built kernel; with `shared_steps`, on its shared-steps
+    instantiation, which holds a block per SM fewer at head 64 in some sm_90 variants,
+    data/static/sm_90-shared-steps.csv). Every partition size of a variant has the same
     registers and shared memory to within a few registers (data/static/sm_90.csv), so the
     answer is kept per variant without its partition size, per device and compiler flags."""
-    key = (_sans_partition(variant), str(torch.device(device)), tuple(extra_flags()))
+    kname = "attention_shared_steps" if shared_steps else "attention"
+    key = (_sans_partition(variant), str(torch.device(device)), tuple(extra_flags()), kname)
     if key not in _resident:
-        _resident[key] = int(build(variant, device).attributes()["attention"]["blocks_per_sm"])
+        _resident[key] = int(build(variant, device).attributes()[kname]["blocks_per_sm"])
     return _resident[key]
 
 

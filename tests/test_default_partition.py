@@ -195,7 +195,8 @@ def test_resident_per_sm_asks_once_per_variant_without_its_partition_size(monkey
             self.v = v
 
         def attributes(self):
-            return {"attention": {"blocks_per_sm": 3 if self.v.head_size == 64 else 2}}
+            return {"attention": {"blocks_per_sm": 3 if self.v.head_size == 64 else 2},
+                    "attention_shared_steps": {"blocks_per_sm": 2 if self.v.head_size == 64 else 1}}
 
     monkeypatch.setattr(ops, "_resident", {})
     monkeypatch.setattr(ops, "build", lambda v, device: built.append((v, device)) or Kernel(v))
@@ -207,6 +208,10 @@ def test_resident_per_sm_asks_once_per_variant_without_its_partition_size(monkey
     assert ops.resident_per_sm(dataclasses.replace(v, head_size=64), "cuda:0") == 3
     assert ops.resident_per_sm(v, "cuda:1") == 2
     assert len(built) == 3
+    # the shared-steps kernel is asked separately (its own registers)
+    assert ops.resident_per_sm(v, "cuda:0", shared_steps=True) == 1
+    assert ops.resident_per_sm(dataclasses.replace(v, head_size=64), "cuda:0", shared_steps=True) == 2
+    assert ops.resident_per_sm(v, "cuda:0") == 2
 
 
 # ------------------------------------------------------------ the variants audit

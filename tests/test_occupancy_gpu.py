@@ -65,8 +65,8 @@ def check():
 
 
 def test_model_equals_cuda_occupancy(check):
-    assert len(check) == 3 * len(VARIANTS)  # attention, reduce, reduce_few
-    assert set(check.kernel) == {"attention", "reduce", "reduce_few"}
+    assert len(check) == 4 * len(VARIANTS)  # attention, reduce, reduce_few, attention_shared_steps
+    assert set(check.kernel) == {"attention", "reduce", "reduce_few", "attention_shared_steps"}
     bad = check[~check["match"]]
     assert bad.empty, "hopper_occupancy != cudaOccupancyMaxActiveBlocksPerMultiprocessor:\n" + bad[
         ["variant", "kernel", "registers", "shared_bytes", "threads_per_block", "blocks_per_sm_cuda",
@@ -82,3 +82,25 @@ def test_device_matches_spec(check):
         assert r["device_regs_per_sm"] == hw.H200.regs_per_sm
     if r["device_smem_per_sm"] is not None:
         assert r["device_smem_per_sm"] == hw.H200.smem_per_sm
+
+
+def test_shared_steps_kernel_holds_its_own_blocks_per_sm():
+    """The shared-steps instantiation's occupancy is its own (attributes()["attention_shared_steps"]),
+    and a shape-chosen partition size with shared_steps=True reads it: at head 64 GQA 16 the
+    compiled tables give it more registers than the fixed kernel and a block per SM fewer."""
+    if not _nvidia():
+        pytest.skip("needs an NVIDIA GPU")
+    from cpa import ops
+    from cpa.jit import build, device_arch
+    from cpa.occupancy import hopper_occupancy
+
+    if device_arch()[1] != "sm_90":
+        pytest.skip("the compiled tables are sm_90's")
+    v = _v("mfma16", 256, 64, 16, "bf16", "auto", 16)  # compiled: 185 against 164 registers, 2 against 3 blocks
+    a = build(v).attributes()
+    fixed, shared = a["attention"], a["attention_shared_steps"]
+    assert shared["registers"] > fixed["registers"] and shared["threads_per_block"] == 128
+    model = hopper_occupancy(shared["registers"], shared["shared_bytes"], shared["threads_per_block"])
+    assert shared["blocks_per_sm"] == model.blocks_per_sm < fixed["blocks_per_sm"]
+    assert ops.resident_per_sm(v, "cuda", shared_steps=True) == shared["blocks_per_sm"]
+    assert ops.resident_per_sm(v, "cuda") == fixed["blocks_per_sm"]

@@ -174,7 +174,8 @@ int launch_reduce(const ReduceParams& p, int num_seqs, void* stream) {
                           ReduceConfig<T, Cfg::head_size>::THREADS, 0, p, stream);
 }
 
-// which = 0: attention kernel, 1: reduce kernel, 2: few-partitions reduce kernel.
+// which = 0: attention kernel, 1: reduce kernel, 2: few-partitions reduce kernel,
+// 3: the shared-steps attention kernel (its own registers: it holds fewer blocks per SM at some shapes).
 // out[0..5] = registers per thread,
 // shared bytes (static + dynamic), local (stack) bytes per thread, max threads per block,
 // threads per block launched, resident blocks per SM/CU for that launch.
@@ -188,6 +189,11 @@ int kernel_attributes(int which, int* out) {
     err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)paged_attention_kernel<Cfg>);
     if (!err) err = allow_dynamic_smem<Cfg>();
     if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, paged_attention_kernel<Cfg>, threads, dyn);
+  } else if (which == 3) {  // launched without dynamic shared memory (launch_attention)
+    threads = Cfg::THREADS;
+    auto k = paged_attention_kernel<Cfg, true>;
+    err = (int)CPA_RT(FuncGetAttributes)(&a, (const void*)k);
+    if (!err) err = (int)CPA_RT(OccupancyMaxActiveBlocksPerMultiprocessor)(&blocks, k, threads, 0);
   } else if (which == 1) {
     using RC = ReduceConfig<typename Cfg::Dtype, Cfg::head_size>;
     threads = RC::THREADS;
