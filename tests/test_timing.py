@@ -17,7 +17,7 @@ def test_long_passes_and_many_sets_are_left_alone():
 
 
 @pytest.mark.gpu
-def test_time_graph_runs_each_cycled_call():
+def test_time_graph_runs_each_cycled_call(monkeypatch):
     import torch
 
     x = torch.randn(1 << 20, device="cuda")
@@ -29,7 +29,18 @@ def test_time_graph_runs_each_cycled_call():
             x.mul_(1.0)
         return f
 
+    monkeypatch.setattr(timing, "WARMUP_US", 0.0)  # (the time-based warm-up counted below)
     t = timing.time_graph([call(0), call(1)], replays=5, warmup=1, use_graph=False, min_calls=4)
     assert t.samples == 5 and 0 < t.p25_us <= t.median_us <= t.p75_us
-    # warm-up pass, timed pass, then (1 warm-up + 5 replays) x the 4 cycled calls
-    assert seen == [0, 1, 0, 1] + [0, 1, 0, 1] * 6
+    # warm-up pass, timed pass, then (1 warm-up + 1 measured warm-up + 5 replays) x the 4 cycled calls
+    assert seen == [0, 1, 0, 1] + [0, 1, 0, 1] * 7
+
+    # the time-based warm-up: a replay of two tiny launches takes far under WARMUP_US, so it
+    # adds replays, at most MAX_WARMUP_REPLAYS, each of the whole cycled list
+    monkeypatch.setattr(timing, "WARMUP_US", 20_000.0)
+    seen.clear()
+    timing.time_graph([call(0), call(1)], replays=5, warmup=1, use_graph=False, min_calls=4)
+    extra, rest = divmod(len(seen) - 4, 4)
+    extra -= 7
+    assert rest == 0 and seen == [0, 1] * (len(seen) // 2)
+    assert 1 <= extra <= timing.MAX_WARMUP_REPLAYS
