@@ -1,4 +1,4 @@
-"""The AMD kernels executed on the host CPU: a wave emulator for the HIP code path.
+"""The kernels executed on the host CPU: a wave emulator for the HIP code path (and the CUDA one).
 
 No AMD GPU is available to this project, so the HIP side of ``cpa/csrc`` -- wave64, the
 ``ds_bpermute`` shuffles, the ``v_mfma_f32_16x16x16`` and ``v_mfma_f32_4x4x4`` (16 blocks)
@@ -9,6 +9,11 @@ computed once every live lane of the wave has reached it (lanes of one wave wait
 different ones are reported as a divergent collective). The grid is walked one workgroup at
 a time. It checks the AMD lane mappings, control flow and results against ``cpa.reference``;
 it says nothing about MI300 timing, ISA scheduling or the memory model.
+
+A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, the shuffles,
+``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
+NVIDIA tilings' lane mappings are checked on a machine without a GPU too; the PTX-only paths
+(the hardware fp8 conversion, cache hints, the staged loops, clusters, PDL) are not emulated.
 
 ``paged_attention(...)`` takes CPU tensors and the same arguments as ``cpa.paged_attention``
 (validated by the same function), with an explicit ``partition_size`` and ``tiling``. Slow
@@ -29,17 +34,19 @@ import torch
 
 from . import variants as V
 from .jit import CSRC, cache_root, sources_digest
-from .ops import kernel_scalars
+from .ops import fp8_format_unsupported, kernel_scalars
 from .static import find_clang
 from .validation import validate_paged_attention_args
 
 EMU = CSRC / "emu"
 FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-DCPA_EMU")
+PLATFORM_FLAGS = {"hip": (), "cuda": ("-DCPA_EMU_CUDA",)}
 
 
 def _digest(compiler: str, variant: V.Variant) -> str:
     # the kernel headers and the emulator's (clang++ on the host: ext_vector_type, _Float16)
-    key = " ".join([sources_digest(CSRC), sources_digest(EMU), compiler, *FLAGS, variant.name])
+    key = " ".join([sources_digest(CSRC), sources_digest(EMU), compiler, *FLAGS, *PLATFORM_FLAGS[variant.platform],
+                    variant.name])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -80,9 +87,9 @@ _loaded: dict[str, EmuKernel] = {}
 
 
 def build(variant: V.Variant) -> EmuKernel:
-    """Compile (or load from the disk cache) the host build of one HIP variant."""
-    if variant.platform != "hip":
-        raise ValueError(f"the wave emulator runs the HIP kernels; {variant.name} is a {variant.platform} variant")
+    """Compile (or load from the disk cache) the host build of one variant (its HIP or CUDA side)."""
+    if variant.platform not in PLATFORM_FLAGS:
+        raise ValueError(f"the wave emulator runs the HIP and CUDA kernels; {variant.name} is a {variant.platform} variant")
     cxx = find_clang()
     key = _digest(cxx, variant)
     if key in _loaded:
@@ -94,8 +101,8 @@ def build(variant: V.Variant) -> EmuKernel:
             src = Path(work) / "tu.cpp"
             src.write_text(source(variant))
             tmp = Path(work) / out.name
-            p = subprocess.run([cxx, *FLAGS, f"-I{CSRC}", str(src), "-o", str(tmp)], capture_output=True, text=True,
-                               timeout=600)
+            p = subprocess.run([cxx, *FLAGS, *PLATFORM_FLAGS[variant.platform], f"-I{CSRC}", str(src), "-o", str(tmp)],
+                               capture_output=True, text=True, timeout=600)
             if p.returncode:
                 raise RuntimeError(f"emulator build of {variant.name} failed:\n{p.stderr[-4000:]}")
             os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
@@ -110,8 +117,9 @@ def _ptr(t):
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size: int,
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
-                    check_values: bool = True, fp8_format: str | None = None):
-    """The HIP kernel of (tiling, partition_size) on CPU tensors, through the wave emulator:
+                    check_values: bool = True, fp8_format: str | None = None, platform: str = "hip"):
+    """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
+    tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
     of each sequence and KV head combines). Outputs start NaN-poisoned. ``max_seq_len`` and
     ``check_values`` as for ``cpa.paged_attention``: the grid is sized from max_seq_len."""
@@ -126,7 +134,10 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         raise ValueError("the wave emulator runs on CPU tensors")
     variant = V.variant_for(tiling=tiling, partition_size=partition_size, head_size=shape.head_size,
                             block_size=shape.block_size, dtype=shape.query_dtype,
-                            kv_cache_dtype=shape.kv_cache_dtype, gqa_ratio=shape.gqa_ratio, platform="hip")
+                            kv_cache_dtype=shape.kv_cache_dtype, gqa_ratio=shape.gqa_ratio, platform=platform)
+    why = fp8_format_unsupported(platform, shape.fp8_format) if shape.kv_cache_dtype == "fp8" else None
+    if why:
+        raise ValueError(why)
     k = build(variant)
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
     parts = -(-shape.max_seq_len // partition_size)
@@ -157,21 +168,23 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dtype: str = "auto",
           head_size: int = 128, block_size: int = 16, gqa: int | None = None, seq_lens=(1, 17, 300, 1000),
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
-          fp8_format: str = "e4m3fnuz") -> dict:
-    """One HIP variant on one random batch through the emulator against cpa.reference: a row
+          fp8_format: str | None = None, platform: str = "hip") -> dict:
+    """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
-    combination that is not an AMD variant. An fp8 cache is in ``fp8_format`` (default MI300's
-    e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950)."""
+    combination that is not a variant of ``platform``. An fp8 cache is in ``fp8_format`` (on
+    AMD by default MI300's e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950; NVIDIA
+    reads e4m3fn only)."""
     import time
 
     from . import reference
     from .inputs import make_paged_inputs
 
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    g = gqa or (4 if tiling == "mfma4" else 8)
+    g = gqa or (4 if tiling == "mfma4" and platform == "hip" else 8)
+    fp8_format = fp8_format or ("e4m3fnuz" if platform == "hip" else "e4m3fn")
     v = V.variant_for(tiling=tiling, partition_size=partition_size, head_size=head_size, block_size=block_size,
-                      dtype=dtype, kv_cache_dtype=kv_cache_dtype, gqa_ratio=g, platform="hip")
+                      dtype=dtype, kv_cache_dtype=kv_cache_dtype, gqa_ratio=g, platform=platform)
     lens = list(seq_lens)
     inp = make_paged_inputs(len(lens), g * num_kv_heads, num_kv_heads, head_size, block_size, lens, dtype=dt,
                             kv_cache_dtype=kv_cache_dtype, seed=partition_size if seed is None else seed,
@@ -179,7 +192,8 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
     kw = inp.as_kwargs()
     k = build(v)
     ops0, t0 = k.wave_ops, time.perf_counter()
-    out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce)
+    out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce,
+                          platform=platform)
     secs = time.perf_counter() - t0
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,

@@ -21,10 +21,16 @@
 #include <stdint.h>
 
 #if defined(CPA_EMU)
-// The HIP side on the host CPU, for tests without an AMD GPU (emu/wave_emu.h): the builtins
-// below are emulated there, wave by wave.
+// The HIP side (or with CPA_EMU_CUDA the CUDA side) on the host CPU, for tests without that
+// GPU (emu/wave_emu.h): the builtins below are emulated there, wave by wave; the CUDA side's
+// PTX asm has CPA_EMU branches.
+#if defined(CPA_EMU_CUDA)
+#define CPA_CUDA 1
+#define CPA_WAVE 32
+#else
 #define CPA_HIP 1
 #define CPA_WAVE 64
+#endif
 #include "emu/wave_emu.h"
 #elif defined(__HIPCC__) || defined(__HIP__)
 #define CPA_HIP 1
@@ -109,6 +115,8 @@ CPA_DEVICE int shfl_xor(int v, int mask) {
 CPA_DEVICE float exp2f_fast(float x) {
 #if CPA_HIP
   return __builtin_amdgcn_exp2f(x);
+#elif defined(CPA_EMU)
+  return ::exp2f(x);
 #else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -141,6 +149,8 @@ CPA_DEVICE int atomic_add_i32(int* p, int v) {
 CPA_DEVICE int atomic_add_acq_rel_i32(int* p, int v) {
 #if CPA_HIP
   return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
+#elif defined(CPA_EMU)
+  return ::cpa_emu::fetch_add(p, v);
 #else
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -188,7 +198,7 @@ CPA_DEVICE u32x2 load8(const void* p) {
 #ifndef CPA_KV_LOAD_HINT
 #define CPA_KV_LOAD_HINT 1
 #endif
-#if CPA_CUDA && CPA_KV_LOAD_HINT
+#if CPA_CUDA && CPA_KV_LOAD_HINT && !defined(CPA_EMU)
 #if CPA_KV_LOAD_HINT == 1
 #define CPA_KV_LD "ld.global.nc.L1::no_allocate"
 #elif CPA_KV_LOAD_HINT == 2
@@ -209,7 +219,7 @@ CPA_DEVICE uint64_t kv_l2_policy() {
 }
 #endif
 CPA_DEVICE u32x4 load16_kv(const void* p) {
-#if CPA_CUDA && CPA_KV_LOAD_HINT
+#if CPA_CUDA && CPA_KV_LOAD_HINT && !defined(CPA_EMU)
   u32x4 v;
 #if CPA_KV_LOAD_HINT == 5
   asm(CPA_KV_LD ".v4.u32 {%0, %1, %2, %3}, [%4], %5;" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(kv_l2_policy()));
@@ -222,7 +232,7 @@ CPA_DEVICE u32x4 load16_kv(const void* p) {
 #endif
 }
 CPA_DEVICE u32x2 load8_kv(const void* p) {
-#if CPA_CUDA && CPA_KV_LOAD_HINT
+#if CPA_CUDA && CPA_KV_LOAD_HINT && !defined(CPA_EMU)
   u32x2 v;
 #if CPA_KV_LOAD_HINT == 5
   asm(CPA_KV_LD ".v2.u32 {%0, %1}, [%2], %3;" : "=r"(v.x), "=r"(v.y) : "l"(p), "l"(kv_l2_policy()));
@@ -262,7 +272,7 @@ CPA_DEVICE uint32_t load4(const void* p) {
 // A load the compiler keeps where it is written (volatile asm on NVIDIA: it is not sunk past
 // a later branch), so that it is in flight before a branch that does not need it resolves.
 CPA_DEVICE int load_i32_early(const int* p) {
-#if CPA_HIP
+#if CPA_HIP || defined(CPA_EMU)
   return *p;
 #else
   int x;
@@ -447,7 +457,7 @@ CPA_DEVICE int shfl_idx_i32(int v, int lane) {
 // ---------------------------------------------------------------- 16-bit types
 // Storage is raw 16-bit; arithmetic happens in fp32 or on the matrix cores.
 CPA_DEVICE float half_bits_to_float(uint16_t h) {
-#if CPA_HIP
+#if CPA_HIP || defined(CPA_EMU)
   _Float16 v = __builtin_bit_cast(_Float16, h);
   return (float)v;
 #else
@@ -457,7 +467,7 @@ CPA_DEVICE float half_bits_to_float(uint16_t h) {
 #endif
 }
 CPA_DEVICE uint16_t float_to_half_bits(float f) {
-#if CPA_HIP
+#if CPA_HIP || defined(CPA_EMU)
   _Float16 v = (_Float16)f;
   return __builtin_bit_cast(uint16_t, v);
 #else
@@ -479,7 +489,7 @@ struct F16 {
   CPA_DEVICE static float to_float(uint16_t h) { return half_bits_to_float(h); }
   CPA_DEVICE static uint16_t from_float(float f) { return float_to_half_bits(f); }
   CPA_DEVICE static uint32_t pack(float lo, float hi) {
-#if CPA_CUDA
+#if CPA_CUDA && !defined(CPA_EMU)
     uint32_t r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -493,7 +503,7 @@ struct BF16 {
   CPA_DEVICE static float to_float(uint16_t h) { return bf16_bits_to_float(h); }
   CPA_DEVICE static uint16_t from_float(float f) { return float_to_bf16_bits(f); }
   CPA_DEVICE static uint32_t pack(float lo, float hi) {
-#if CPA_CUDA
+#if CPA_CUDA && !defined(CPA_EMU)
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
@@ -569,6 +579,19 @@ template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
 // ---------------------------------------------------------------- matrix cores
 #if CPA_CUDA
 // mma.sync.m16n8k16, fp32 accumulate. a: 4 regs (rows g/g+8 x k pairs), b: 2 regs.
+#if defined(CPA_EMU)
+// The host emulator's warp-wide instructions (emu/wave_emu.h): the same fragment layouts.
+template <class T>
+CPA_DEVICE void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  ::cpa_emu::mma<::cpa_emu::kMma16816>(c, a, b, T::is_bf16);
+}
+template <class T>
+CPA_DEVICE void mma_m16n8k8(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  const uint32_t a[2] = {a0, a1}, b[1] = {b0};
+  ::cpa_emu::mma<::cpa_emu::kMma1688>(c, a, b, T::is_bf16);
+}
+CPA_DEVICE uint32_t movmatrix_trans(uint32_t x) { return ::cpa_emu::movmatrix_trans(x); }
+#else
 template <class T>
 CPA_DEVICE void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   if constexpr (T::is_bf16) {
@@ -609,6 +632,7 @@ CPA_DEVICE uint32_t movmatrix_trans(uint32_t x) {
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
 }
+#endif  // CPA_EMU
 // 4x4 transpose of 32-bit registers across the four lanes of a quad (lane bits 0-1):
 // lane t's r[j] becomes what lane j held in r[t]. Two butterfly rounds (lane ^ 2 swaps the
 // off-diagonal 2x2 blocks, lane ^ 1 the off-diagonal elements): 4 shuffles, no memory.

@@ -1,19 +1,27 @@
-// The HIP side of platform.h on the host CPU (CPA_EMU): the kernels' AMD code path -- wave64,
-// ds_bpermute shuffles, the v_mfma_f32_16x16x16 / 4x4x4 (16 blocks) matrix instructions with
-// the operand layouts AMD documents, LDS and barriers -- run by a lock-step wave emulator, so
-// that the AMD tilings, which no GPU here can run, are executed and checked against the
-// reference (tests/test_emu.py). It checks lane mappings and control flow, not timing, ISA
-// or the memory model: every lane is a fiber, and a fiber runs until it reaches a wave-wide
-// operation (a matrix instruction, a permute, a wave barrier) or a workgroup barrier; when
-// every live lane of a wave is waiting at the same wave-wide operation it is computed for the
-// whole wave, and a barrier opens when every live thread of the workgroup waits at one.
+// The kernels' GPU code paths on the host CPU (CPA_EMU), run by a lock-step wave emulator so
+// that lane mappings and control flow are executed and checked against the reference
+// (tests/test_emu.py) without a GPU:
+//  * the HIP side (default): wave64, ds_bpermute shuffles, the v_mfma_f32_16x16x16 / 4x4x4 (16
+//    blocks) matrix instructions with the operand layouts AMD documents, LDS and barriers --
+//    the only execution the AMD tilings get here;
+//  * the CUDA side (-DCPA_EMU_CUDA): warp32, __shfl_*_sync, mma.sync.m16n8k16 / m16n8k8 and
+//    movmatrix.m8n8.trans with the fragment layouts the PTX ISA documents, __syncthreads and
+//    __syncwarp -- so that an index change in the NVIDIA tilings fails on the CPU before a GPU
+//    sees it. The PTX-only paths are not emulated: the hardware fp8 conversion (the bit trick
+//    runs instead, as before sm_89), cache hints, cp.async / TMA (staged loops), clusters, PDL.
+// It checks lane mappings and control flow, not timing, ISA or the memory model: every lane is a
+// fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
+// shuffle, a wave barrier) or a workgroup barrier; when every live lane of a wave is waiting
+// at the same wave-wide operation it is computed for the whole wave, and a barrier opens when
+// every live thread of the workgroup waits at one.
 // Lanes of one wave waiting at different operations are a divergent collective: an error.
 // Not caught: lanes of one wave at the same kind of operation from two different branches
 // (an if/else with a permute or an MFMA in each) are computed as one, where hardware runs each
 // branch with the other's lanes off and a permute reads 0 from them -- every call site in the
-// kernels is wave-uniform (audited 2026-12-06), so keep it that way. __builtin_amdgcn_exp2f is
-// libm's exp2f here; v_exp_f32 is within 1 ULP and flushes denormal results (far below the
-// tolerances). The MFMA modifiers (cbsz, abid, blgp) are ignored: the kernels pass 0.
+// kernels is wave-uniform (audited 2026-12-06), so keep it that way. __builtin_amdgcn_exp2f and
+// ex2.approx are libm's exp2f here; the hardware is within 1-2 ULP and flushes denormal results
+// (far below the tolerances). The MFMA modifiers (cbsz, abid, blgp) are ignored: the kernels
+// pass 0.
 // Workgroups run one after another, so `__shared__` is a function-local static (thread_local:
 // one emulated workgroup per host thread).
 #pragma once
@@ -36,15 +44,17 @@
 
 namespace cpa_emu {
 
-constexpr int kLanes = 64;
-enum Op : int { kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4 };
+constexpr int kLanes = CPA_WAVE;  // 64 (HIP) or 32 (CUDA)
+enum Op : int { kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4, kMma16816, kMma1688, kMovmatrix };
 
 struct Lane {
   ucontext_t ctx;
   int op = kRun;
   int addr = 0;
-  uint32_t val = 0, res = 0;
+  uint32_t val = 0, res = 0;  // shuffles: addr is the source lane
   float a[4] = {}, b[4] = {}, c[4] = {}, d[4] = {};
+  uint32_t ra[4] = {}, rb[2] = {};  // mma.sync: the packed 16-bit operand registers
+  bool bf16 = false;
 };
 
 struct Group {
@@ -82,11 +92,25 @@ inline void lane_main() {
   g.lanes[g.cur].op = kDone;  // (uc_link returns to the scheduler)
 }
 
-// One wave-wide operation for lanes [w, w + 64) (all live: checked by the caller).
+// The low (h = 0) or high 16-bit value of a packed register, fp16 or bf16, as a float.
+inline float half_of(uint32_t r, int h, bool bf16) {
+  const uint16_t b = (uint16_t)(r >> (16 * h));
+  if (bf16) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+  }
+  _Float16 x;
+  memcpy(&x, &b, 2);
+  return (float)x;
+}
+
+// One wave-wide operation for lanes [w, w + kLanes) (all live: checked by the caller).
 inline void wave_op(Group& g, int w, int op) {
   Lane* L = g.lanes.data() + w;
   if (op == kPermute) {
-    for (int l = 0; l < kLanes; ++l) L[l].res = L[(L[l].addr >> 2) & (kLanes - 1)].val;
+    for (int l = 0; l < kLanes; ++l) L[l].res = L[L[l].addr & (kLanes - 1)].val;
   } else if (op == kMfma16) {
     // v_mfma_f32_16x16x16{f16,bf16}: lane x + 16 y holds A[x][4y + v], B[4y + v][x] and
     // D[4y + v][x] (v = 0..3)
@@ -110,17 +134,56 @@ inline void wave_op(Group& g, int w, int op) {
         L[l].d[v] = acc;
       }
     }
+  } else if (op == kMma16816 || op == kMma1688) {
+    // mma.sync.aligned.m16n8k{16,8}.row.col.f32.{f16,bf16}: lane 4 g + t holds A[g][2t, 2t+1]
+    // (ra[0]), A[g+8][2t, 2t+1] (ra[1]), for k16 A[g][2t+8, 2t+9] (ra[2]) and A[g+8][2t+8, 2t+9]
+    // (ra[3]); B[2t, 2t+1][g] (rb[0]), for k16 B[2t+8, 2t+9][g] (rb[1]); C and D [g][2t, 2t+1],
+    // [g+8][2t, 2t+1] (PTX ISA, "Matrix Fragments for mma.m16n8k16 / mma.m16n8k8", f16 / bf16)
+    const int K = op == kMma16816 ? 16 : 8;
+    float A[16][16], B[16][8];
+    for (int l = 0; l < kLanes; ++l) {
+      const int g = l >> 2, t = l & 3;
+      const bool bf = L[l].bf16;
+      for (int h = 0; h < 2; ++h) {
+        A[g][2 * t + h] = half_of(L[l].ra[0], h, bf);
+        A[g + 8][2 * t + h] = half_of(L[l].ra[1], h, bf);
+        B[2 * t + h][g] = half_of(L[l].rb[0], h, bf);
+        if (K == 16) {
+          A[g][2 * t + 8 + h] = half_of(L[l].ra[2], h, bf);
+          A[g + 8][2 * t + 8 + h] = half_of(L[l].ra[3], h, bf);
+          B[2 * t + 8 + h][g] = half_of(L[l].rb[1], h, bf);
+        }
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      const int g = l >> 2, t = l & 3;
+      for (int v = 0; v < 4; ++v) {
+        const int row = g + 8 * (v >> 1), col = 2 * t + (v & 1);
+        float acc = L[l].c[v];
+        for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
+        L[l].d[v] = acc;
+      }
+    }
+  } else if (op == kMovmatrix) {
+    // movmatrix.sync.aligned.m8n8.trans.b16: lane 4 g + t holds row g, columns 2t, 2t+1 of
+    // an 8x8 matrix of 16-bit values, afterwards those of its transpose: M[2t][g], M[2t+1][g]
+    for (int l = 0; l < kLanes; ++l) {
+      const int g = l >> 2, t = l & 3;
+      const uint32_t lo = (L[(2 * t) * 4 + g / 2].val >> (16 * (g & 1))) & 0xffffu;
+      const uint32_t hi = (L[(2 * t + 1) * 4 + g / 2].val >> (16 * (g & 1))) & 0xffffu;
+      L[l].res = lo | (hi << 16);
+    }
   }
   ++g.wave_ops;
 }
 
 inline const char* op_name(int op) {
-  static const char* names[] = {"running", "done", "barrier", "wave barrier", "ds_bpermute", "mfma 16x16x16",
-                                "mfma 4x4x4"};
+  static const char* names[] = {"running", "done", "barrier", "wave barrier", kLanes == 64 ? "ds_bpermute" : "shfl.sync",
+                                "mfma 16x16x16", "mfma 4x4x4", "mma.m16n8k16", "mma.m16n8k8", "movmatrix"};
   return names[op];
 }
 
-// Run one workgroup of `threads` (a multiple of 64) to completion; false with last_error() set
+// Run one workgroup of `threads` (a multiple of kLanes) to completion; false with last_error() set
 // on a divergent collective or a deadlock.
 inline bool run_group(int threads, int bx, int by, int bz, std::function<void()> body, int stack_bytes = 1 << 17) {
   Group& g = group();
@@ -216,13 +279,42 @@ inline CV mfma(AV a, AV b, CV c) {
   return d;
 }
 
-inline int bpermute(int addr, int v) {
+// The value lane `src` offers (every live lane of the wave offers one and reads one).
+inline uint32_t shuffle(int src, uint32_t v) {
   Group& g = group();
   Lane& l = g.lanes[g.cur];
-  l.addr = addr;
-  l.val = (uint32_t)v;
+  l.addr = src;
+  l.val = v;
   arrive(kPermute);
-  return (int)group().lanes[group().cur].res;
+  return group().lanes[group().cur].res;
+}
+// ds_bpermute addresses lanes in bytes
+inline int bpermute(int addr, int v) { return (int)shuffle(addr >> 2, (uint32_t)v); }
+
+inline int lane_now() { return group().cur % kLanes; }
+
+template <int OP>
+inline void mma(float (&c)[4], const uint32_t* a, const uint32_t* b, bool bf16) {
+  Group& g = group();
+  Lane& l = g.lanes[g.cur];
+  for (int i = 0; i < 4; ++i) {
+    l.ra[i] = i < (OP == kMma16816 ? 4 : 2) ? a[i] : 0u;
+    l.c[i] = c[i];
+  }
+  l.rb[0] = b[0];
+  l.rb[1] = OP == kMma16816 ? b[1] : 0u;
+  l.bf16 = bf16;
+  arrive(OP);
+  Lane& r = group().lanes[group().cur];
+  for (int i = 0; i < 4; ++i) c[i] = r.d[i];
+}
+
+inline uint32_t movmatrix_trans(uint32_t x) {
+  Group& g = group();
+  Lane& l = g.lanes[g.cur];
+  l.val = x;
+  arrive(kMovmatrix);
+  return group().lanes[group().cur].res;
 }
 
 inline int fetch_add(int* p, int v) {
@@ -232,6 +324,8 @@ inline int fetch_add(int* p, int v) {
 }
 
 }  // namespace cpa_emu
+
+#if CPA_HIP
 
 // The builtins platform.h's HIP branches call.
 #define __builtin_amdgcn_workitem_id_x() (::cpa_emu::group().cur)
@@ -254,6 +348,39 @@ inline int fetch_add(int* p, int v) {
 #define __HIP_MEMORY_SCOPE_AGENT 0
 #define __hip_atomic_fetch_add(p, v, order, scope) ::cpa_emu::fetch_add((p), (v))
 #define __hip_atomic_store(p, v, order, scope) ((void)(*(p) = (v)))
+#else  // CPA_CUDA: the CUDA built-ins platform.h's CUDA branches call (its PTX asm has CPA_EMU branches)
+namespace cpa_emu {
+struct Index3 { unsigned x, y, z; };
+inline Index3 thread_index() { return {(unsigned)group().cur, 0u, 0u}; }
+inline Index3 block_index() { return {(unsigned)group().block[0], (unsigned)group().block[1], (unsigned)group().block[2]}; }
+template <class V>
+inline V shfl(V v, int src) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles");
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  u = shuffle(src & (kLanes - 1), u);
+  memcpy(&v, &u, 4);
+  return v;
+}
+}  // namespace cpa_emu
+#define threadIdx (::cpa_emu::thread_index())
+#define blockIdx (::cpa_emu::block_index())
+#define __syncthreads() ::cpa_emu::arrive(::cpa_emu::kBarrier)
+#define __syncwarp() ::cpa_emu::arrive(::cpa_emu::kWaveBarrier)
+#define __threadfence() ((void)0)
+// (the kernels shuffle with the full mask only: every lane of the warp takes part)
+#define __shfl_xor_sync(mask, v, m) ::cpa_emu::shfl((v), ::cpa_emu::lane_now() ^ (m))
+#define __shfl_sync(mask, v, src) ::cpa_emu::shfl((v), (src))
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+template <class P> inline P __ldg(const P* p) { return *p; }
+template <class P> inline P __ldcg(const P* p) { return *p; }
+inline int atomicAdd(int* p, int v) { return ::cpa_emu::fetch_add(p, v); }
+inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
+// (named by the staged loops' cp.async / TMA helpers, which the emulator does not run: they
+// stay PTX asm and are never emitted unless a CPA_KV_ASYNC build calls them, which fails)
+inline unsigned __cvta_generic_to_shared(const void* p) { return (unsigned)(uintptr_t)p; }
+#endif
 
 inline float __int_as_float(int x) { float f; memcpy(&f, &x, 4); return f; }
 inline int __float_as_int(float f) { int x; memcpy(&x, &f, 4); return x; }
