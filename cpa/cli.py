@@ -646,14 +646,18 @@ def emu_check(
     kv_cache_dtype: str = typer.Option("auto", help="auto or fp8."),
     head_size: int = typer.Option(128),
     block_size: int = typer.Option(16),
-    gqa: Optional[int] = typer.Option(None, help="query heads per KV head (default: 8; 4 for mfma4)."),
+    gqa: Optional[int] = typer.Option(None, help="query heads per KV head (default: 8; 4 for AMD's mfma4)."),
     seq_lens: str = typer.Option("1,17,300,1000", help="comma-separated sequence lengths (one batch)."),
     fused: bool = typer.Option(False, help="the fused reduce instead of the reduce kernel."),
-    fp8_format: str = typer.Option("e4m3fnuz", help="with an fp8 cache: e4m3fnuz (MI300's encoding, as vLLM "
-                                   "writes it on gfx94x) or e4m3fn (OCP: gfx950, NVIDIA)."),
+    fp8_format: Optional[str] = typer.Option(None, help="with an fp8 cache: e4m3fnuz (MI300's encoding, as vLLM "
+                                             "writes it on gfx94x; the hip default) or e4m3fn (OCP: gfx950, "
+                                             "NVIDIA; the cuda default and only choice)."),
+    platform: str = typer.Option("hip", help="hip (the AMD code path, wave64 + MFMA) or cuda (the NVIDIA one, "
+                                 "warp32 + mma.sync, without its PTX-only paths)."),
 ) -> None:
-    """Run AMD (HIP) kernel variants on the CPU through the wave emulator (cpa.emu) against
-    cpa.reference: the AMD code path executed without an AMD GPU (no timing)."""
+    """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
+    cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an
+    NVIDIA GPU (no timing)."""
     from . import emu
 
     from . import variants as V
@@ -667,7 +671,9 @@ def emu_check(
     if not sizes:
         raise typer.BadParameter("name at least one partition size", param_hint="--partition-sizes")
     normalize_kv_cache_dtype(kv_cache_dtype)
-    if fp8_format not in FP8_FORMATS:
+    if platform not in V.PLATFORMS:
+        raise typer.BadParameter(f"{platform!r}: one of {', '.join(V.PLATFORMS)}", param_hint="--platform")
+    if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
     typer.echo(f"{'variant':<48} {'wave ops':>9} {'seconds':>8} {'rel err':>9}  verdict")
     bad = ran = 0
@@ -676,9 +682,9 @@ def emu_check(
             try:
                 r = emu.check(tiling, p, dtype=dtype, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
-                              fp8_format=fp8_format)
+                              fp8_format=fp8_format, platform=platform)
             except ValueError as e:
-                typer.echo(f"{tiling}-p{p}: not an AMD variant ({e})")
+                typer.echo(f"{tiling}-p{p}: not a {platform} variant ({e})")
                 continue
             except RuntimeError as e:
                 typer.echo(f"{tiling}-p{p}: FAILED: {e}")
@@ -689,7 +695,7 @@ def emu_check(
             typer.echo(f"{r['variant']:<48} {r['wave_ops']:>9} {r['seconds']:>8.2f} {r['rel_err']:>9.2e}  "
                        f"{'ok' if r['ok'] else 'WRONG'}")
     if not ran and not bad:
-        typer.echo("no variant of these options exists for AMD: nothing ran", err=True)
+        typer.echo(f"no {platform} variant of these options exists: nothing ran", err=True)
         raise typer.Exit(2)
     raise typer.Exit(1 if bad else 0)
 
