@@ -77,7 +77,12 @@ def run_notebook(src: Path, out_dir: Path, *, timeout: int = 1800, banner: str |
         client.execute()
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:  # keep what ran: the page shows
         # the failing cell and its traceback (a timeout or a dead kernel fails that page, not the report)
-        error = str(e).strip().splitlines()[-1][:500] if str(e).strip() else type(e).__name__
+        lines = str(e).strip().splitlines()
+        # a timeout's message ends with the cell's source between dashed rules (its last line was
+        # the error text: "-------------------"); its first line says what happened
+        # ("A cell timed out while it was being executed, after N seconds.")
+        line = lines[0] if isinstance(e, CellTimeoutError) and lines else lines[-1] if lines else ""
+        error = line[:500] or type(e).__name__
     nbformat.write(nb, str(out_dir / f"{src.stem}.ipynb"))
     return nb, error
 

@@ -61,6 +61,16 @@ def test_wave_model_choice_by_hand_arithmetic():
         return (kv + one) / (m.bw_bytes_per_s * fill) * 1e6 + one / m.bw_bytes_per_s * 1e6 + m.t_wave_us * waves
 
     assert t(8192) < t(4096) < t(2048)
+    # the formula is the model's: WaveModel.time_us, and the times partition_by_wave_model compares
+    times = O.wave_model_times(m, [2048, 4096, 8192], num_seqs=8, num_heads=64, num_kv_heads=8, head_size=128,
+                               max_seq_len=32768, kv_elem_bytes=2, slots=264, compute_units=132)
+    for p in (2048, 4096, 8192):
+        parts = 32768 // p
+        wg, one = 8 * 8 * parts, 8 * 64 * parts * 130 * 4
+        got = m.time_us(workgroups=wg, waves=-(-wg // 264), compute_units=132, partitions=parts, kv_bytes=kv,
+                        partials_written=one, partials_read=one, slots=264)
+        assert got == pytest.approx(t(p), rel=1e-12), p
+        assert times[p] == pytest.approx(t(p), rel=1e-12), p
     assert pick(8, 32768, candidates=[2048, 4096, 8192]) == 8192
     # with three workgroups per SM (396 slots) P 4096's 512 workgroups still take 2 waves
     assert pick(8, 32768, slots=3 * H200_SMS, candidates=[2048, 4096, 8192]) == 8192

@@ -177,14 +177,25 @@ def test_default_variant_and_128k_context():
     assert launch.shape.partition_size == want and ops.resident_per_sm(launch.kernel.variant, "cuda") == per_sm >= 1
 
 
-@pytest.mark.parametrize("bad", [dict(partition_size=32), dict(partition_size=16384), dict(partition_size=96),
-                                 dict(tiling="mfma32")])
-def test_unsupported_variant_refused_before_launch(bad):
+UNSUPPORTED = [
+    # a power-of-two multiple of the block size (16), but not a partition size any variant builds
+    # with: refused by the variant (cpa.variants.Variant.validate)
+    (dict(partition_size=32), r"^partition_size=32 is not supported; allowed: 64, 128, .*, 8192$"),
+    (dict(partition_size=16384), r"^partition_size=16384 is not supported; allowed: 64, 128, .*, 8192$"),
+    # not a power-of-two multiple of the block size: refused by cpa.validation
+    (dict(partition_size=96), r"^partition_size: got 96; must be None or a power-of-two multiple of block_size 16 "),
+    (dict(tiling="mfma32"), r"^tiling='mfma32' is not supported; allowed: 'mfma16', 'mfma4', 'scalar'$"),
+]
+
+
+@pytest.mark.parametrize("bad,match", UNSUPPORTED, ids=[",".join(f"{k}={v}" for k, v in b.items())
+                                                          for b, _ in UNSUPPORTED])
+def test_unsupported_variant_refused_before_launch(bad, match):
     import cpa
     from cpa.inputs import make_paged_inputs
 
     inp = make_paged_inputs(2, 8, 1, 128, 16, [40, 300], dtype=torch.float16, device="cuda")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         cpa.paged_attention(**inp.as_kwargs(), **{"tiling": "mfma16", **bad})
 
 

@@ -41,17 +41,55 @@ def test_heads_cap_per_platform():
         V.heads_cap_for("mfma16", "cuda", 17)
 
 
-def test_partition_must_hold_whole_wave_steps():
+def _variant(**kw):
+    """A Variant built directly (not through variant_for, whose cache would keep a variant of a
+    widened domain for the tests after this one)."""
+    return V.Variant(**{**dict(dtype="fp16", kv_cache_dtype="auto"), **kw})
+
+
+def test_partition_must_hold_whole_wave_steps(monkeypatch):
     # hip mfma4 and scalar take 64 tokens per wave step: 64 is the smallest partition there
     for t in ("mfma4", "scalar"):
         v = V.variant_for(tiling=t, partition_size=64, head_size=128, block_size=32, dtype="fp16",
                           kv_cache_dtype="auto", gqa_ratio=4, platform="hip")
         assert v.partition_size % v.tokens_per_step == 0
+    # every partition size of today's domain holds whole steps and blocks, so the two rules are
+    # reached with a wider domain (the rules guard a future change of PARTITION_SIZES / BLOCK_SIZES)
+    monkeypatch.setattr(V, "PARTITION_SIZES", (32, *V.PARTITION_SIZES))
+    monkeypatch.setattr(V, "BLOCK_SIZES", (*V.BLOCK_SIZES, 64))
+    for t in ("mfma4", "scalar"):
+        with pytest.raises(ValueError, match=rf"partition_size=32 is not a multiple of the 64 tokens one wave of "
+                                             rf"tiling '{t}' handles per step on hip"):
+            _variant(tiling=t, partition_size=32, head_size=128, block_size=16, heads_cap=4, platform="hip")
+    # 32 tokens per step on cuda: 32 is a whole step, but not a whole block of 64
+    assert _variant(tiling="mfma16", partition_size=32, head_size=128, block_size=16, heads_cap=8,
+                    platform="cuda").partition_size == 32
+    with pytest.raises(ValueError, match=r"partition_size=32 is not a multiple of block_size=64"):
+        _variant(tiling="mfma16", partition_size=32, head_size=128, block_size=64, heads_cap=8, platform="cuda")
+    assert _variant(tiling="mfma16", partition_size=64, head_size=128, block_size=64, heads_cap=8,
+                    platform="cuda").block_size == 64
+    # all_variants skips exactly the refused combinations
+    got = {(v.tiling, v.partition_size, v.block_size)
+           for v in V.all_variants("hip", partition_sizes=(32, 64), head_sizes=(128,), block_sizes=(16, 64),
+                                   dtypes=("fp16",), kv_cache_dtypes=("auto",))}
+    assert ("mfma16", 32, 16) in got and ("mfma16", 32, 64) not in got and ("mfma16", 64, 64) in got
+    assert not any(p == 32 for t, p, _ in got if t in ("mfma4", "scalar"))
 
 
-def test_scalar_head_size_multiple_of_wave():
+def test_scalar_head_size_multiple_of_wave(monkeypatch):
     V.variant_for(tiling="scalar", partition_size=256, head_size=64, block_size=16, dtype="bf16",
                   kv_cache_dtype="fp8", gqa_ratio=1, platform="hip")
+    # today's head sizes are multiples of both wave sizes: the rule is reached with a wider domain
+    monkeypatch.setattr(V, "HEAD_SIZES", (*V.HEAD_SIZES, 80, 96))
+    for platform, head, wave in (("hip", 96, 64), ("cuda", 80, 32), ("hip", 80, 64)):
+        with pytest.raises(ValueError, match=rf"tiling 'scalar' needs head_size a multiple of the wave size {wave}$"):
+            _variant(tiling="scalar", partition_size=256, head_size=head, block_size=16, heads_cap=1,
+                     platform=platform)
+    # a head size of one wave on cuda (3 x 32) is not one on hip (1.5 x 64); the matrix-core tilings have no such rule
+    assert _variant(tiling="scalar", partition_size=256, head_size=96, block_size=16, heads_cap=1,
+                    platform="cuda").head_size == 96
+    assert _variant(tiling="mfma16", partition_size=256, head_size=96, block_size=16, heads_cap=16,
+                    platform="hip").head_size == 96
 
 
 def test_defaults_table():

@@ -65,15 +65,22 @@ def test_summary_counts_a_failure(tmp_path):
     assert s[["tests", "passed", "skipped", "failed"]].values.tolist() == [[2, 1, 0, 1], [1, 1, 0, 0]]
 
 
-@pytest.mark.parametrize("card", ["h100", "h200"])
-def test_sanitizer_records(card):
+SANITIZER_FILES = sorted(p.name for p in VERIFY.glob("*-sanitizer.csv"))
+
+
+def test_a_sanitizer_record_ships():
+    assert SANITIZER_FILES, f"no *-sanitizer.csv in {VERIFY}"
+
+
+@pytest.mark.parametrize("name", SANITIZER_FILES)
+def test_sanitizer_records(name):
     """<card>-sanitizer.csv (cpa.selfcheck --record-sanitizer, from `scripts/h200.sh sanitize`):
     one card per file, provenance on every row, and a zero exit code exactly where no case failed
     and the sanitizer counted nothing."""
-    path = VERIFY / f"{card}-sanitizer.csv"
-    if not path.exists():
-        pytest.skip(f"no {path.name} shipped")
-    d = pd.read_csv(path)
+    card = name.removesuffix("-sanitizer.csv")
+    assert re.fullmatch(r"[a-z]+\d+", card), f"{name}: expected <card>-sanitizer.csv, e.g. h100-sanitizer.csv"
+    d = pd.read_csv(VERIFY / name)
+    assert len(d), f"{name} has no rows"
     assert list(d.columns) == [*SANITIZER_FIELDS, *PROVENANCE]
     assert not d[list(PROVENANCE)].isna().any().any()
     assert d["device_name"].str.contains(card.upper()).all()
