@@ -43,7 +43,9 @@ SHORT_PASS_US = 500.0
 # Warm-up before the timed replays: at least `warmup` replays and at least WARMUP_US of them.
 # Three replays of a short shape (~2 ms at 1 x 16k) left the first launch timed after a shape's
 # set-up about 1-2% slow (the repeated default-path rows of the shipped tables show it: 0.978-
-# 0.990 where the named copy was timed first, 0.9995 elsewhere).
+# 0.990 where the named copy was timed first, 0.9995 elsewhere). The 20 ms did not cure that
+# (H100, d7eccc2: 0.988 / 0.984 at the same two shapes; the cause is open), but it costs little
+# and keeps a short shape's timed replays from starting cold.
 WARMUP_US = 20_000.0
 MAX_WARMUP_REPLAYS = 2000
 

@@ -450,7 +450,8 @@ def test_rotating_sets_touch_several_l2s_at_small_shapes():
 def test_first_launch_timed_per_shape_reads_slow_in_the_shipped_tables():
     """data/bench/README.md: where a shape's first timed launch is repeated by its default_path row
     (same variant and combine, timed later), the repeat is 0.978-0.990x its time; elsewhere the two
-    copies agree (median ~1.000). Why timing.py warms up for WARMUP_US now."""
+    copies agree (median ~1.000). timing.py's WARMUP_US did not remove it: the d7eccc2 run, warmed
+    up 20 ms, has the same two pairs at 0.988 / 0.984 (the cause is open)."""
     import glob
 
     firsts, others = [], []
@@ -466,7 +467,7 @@ def test_first_launch_timed_per_shape_reads_slow_in_the_shipped_tables():
         r = m.time_us_d / m.time_us_n
         firsts += list(r[m.pos_n == 0])
         others += list(r[m.pos_n > 0])
-    assert len(firsts) == 8 and 0.977 < min(firsts) and max(firsts) < 0.990
+    assert len(firsts) == 10 and 0.977 < min(firsts) and max(firsts) < 0.990
     assert len(others) >= 60 and 0.998 < float(pd.Series(others).median()) < 1.002
 
 
