@@ -67,7 +67,7 @@ class EmuKernel:
         L.cpa_emu_error.restype = ctypes.c_char_p
         L.cpa_emu_wave_ops.restype = i64
         L.cpa_emu_attention.restype = i32
-        L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp]
+        L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, vp]
         L.cpa_emu_reduce.restype = i32
         L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 4
         if L.cpa_variant().decode() != self.variant.name:
@@ -115,12 +115,16 @@ def _ptr(t):
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, *, partition_size: int,
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
-                    check_values: bool = True, fp8_format: str | None = None, platform: str = "hip"):
+                    check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
+                    shared_steps: bool = False):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
     of each sequence and KV head combines). Outputs start NaN-poisoned. ``max_seq_len`` and
-    ``check_values`` as for ``cpa.paged_attention``: the grid is sized from max_seq_len."""
+    ``check_values`` as for ``cpa.paged_attention``: the grid is sized from max_seq_len.
+    ``shared_steps``: the shared-steps kernel (ops.prepare(shared_steps=True)), then the reduce;
+    its workgroups run one after another here, so the first of each sequence takes every ticket
+    and the others run only their first steps; its counters must return to zero."""
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
@@ -134,6 +138,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                             block_size=shape.block_size, dtype=shape.query_dtype,
                             kv_cache_dtype=shape.kv_cache_dtype, gqa_ratio=shape.gqa_ratio, platform=platform)
     why = fp8_format_unsupported(platform, shape.fp8_format) if shape.kv_cache_dtype == "fp8" else None
+    if shared_steps:
+        why = why or V.shared_steps_unsupported(variant)
+        why = why or ("shared steps keep no fixed-range partials (return_intermediates)" if return_intermediates
+                      else "shared steps are combined by the reduce kernel, not the fused reduce" if fused_reduce
+                      else None)
     if why:
         raise ValueError(why)
     k = build(variant)
@@ -148,16 +157,19 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                                                                       key_cache.element_size())
     fused = fused_reduce and parts > 1
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
+    steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32) if shared_steps else None
     tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
     k.check(k.lib.cpa_emu_attention(
         _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
         S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, block_stride, head_stride,
-        scale_log2, out_scale, int(parts == 1), _ptr(counters)), "attention kernel")
+        scale_log2, out_scale, int(parts == 1), _ptr(counters), _ptr(steal)), "attention kernel")
     if parts > 1 and not fused:
         k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(seq_lens),
                                      S, H, parts, shape.max_blocks_per_seq), "reduce kernel")
     if fused and int(counters.abs().sum()) != 0:
         raise RuntimeError("the fused reduce left its counters non-zero")
+    if shared_steps and int(steal.abs().sum()) != 0:
+        raise RuntimeError("the shared steps left their counters non-zero")
     if return_intermediates:
         return out, exp_sums, max_logits, tmp_out
     return out

@@ -279,6 +279,30 @@ def test_a_sequence_longer_than_its_block_table_row_is_truncated_to_the_row(fuse
     assert err <= reference.REL_ERR_TOL[torch.float16], f"relative error {err:.3g}"
 
 
+SHARED = [(pf, t, P, dt, kv) for pf in PLATFORMS for t in V.TILINGS for P, dt, kv in
+          ((512, "fp16", "auto"), (1024, "bf16", "fp8"))]
+
+
+@pytest.mark.parametrize("platform,tiling,P,dtype,kv", SHARED, ids=["-".join(map(str, c)) for c in SHARED])
+def test_shared_steps_kernel_in_the_emulator(platform, tiling, P, dtype, kv):
+    """The shared-steps kernel (ops.prepare(shared_steps=True): the workgroups of a sequence take
+    its 32- / 64-token steps from one ticket counter), then the reduce: right against the
+    reference, counters back at zero (the emulator raises otherwise). Workgroups run one after
+    another here, so the first of a sequence takes every ticket its four waves reach and the
+    others run only their first steps. The AMD instantiation has no other execution."""
+    from cpa.inputs import make_paged_inputs
+
+    g = GQA[platform][tiling]
+    lens = [1, 17, P - 1, P, P + 1, 3 * P + 7, 9 * P + 5]
+    inp = make_paged_inputs(len(lens), g * 2, 2, 128, 16, lens, dtype=TORCH_DTYPE[dtype], kv_cache_dtype=kv,
+                            seed=P + len(tiling), alibi=tiling == "scalar")
+    kw = inp.as_kwargs()
+    out = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, shared_steps=True)
+    assert not torch.isnan(out).any()
+    err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
+    assert err <= reference.REL_ERR_TOL[inp.query.dtype], f"relative error {err:.3g}"
+
+
 def test_emulator_refuses_what_it_does_not_run():
     from cpa.inputs import make_paged_inputs
 
@@ -291,6 +315,12 @@ def test_emulator_refuses_what_it_does_not_run():
         emu.paged_attention(**fnuz.as_kwargs(), partition_size=256, tiling="mfma16", platform="cuda")
     with pytest.raises(ValueError, match="heads"):  # AMD's mfma4 holds 4 heads: GQA 8 is no HIP variant
         emu.paged_attention(**inp.as_kwargs(), partition_size=256, tiling="mfma4", platform="hip")
+    with pytest.raises(ValueError, match="shared steps need >= 512 tokens"):  # AMD mfma4: 64-token steps
+        emu.paged_attention(**make_paged_inputs(1, 4, 1, 128, 16, [40], dtype=torch.float16).as_kwargs(),
+                            partition_size=256, tiling="mfma4", shared_steps=True)
+    with pytest.raises(ValueError, match="fused reduce"):
+        emu.paged_attention(**inp.as_kwargs(), partition_size=512, tiling="mfma16", shared_steps=True,
+                            fused_reduce=True)
 
 
 

@@ -20,12 +20,18 @@ int walk_grid(Kernel kernel, int gx, int gy, int gz, int threads, const Params& 
   return 0;
 }
 
+// The fixed-partition kernel, or with p.steal the shared-steps one (its workgroups run one after
+// another here, so the first of a sequence takes every ticket its waves reach and the others run
+// their first steps only: the combine's and the counters' edge, not an interleaving).
 template <class Cfg>
 int attention(const cpa::AttnParams& p, int num_seqs, int num_kv_heads) {
-  if (p.cluster > 1 || p.steal) {
-    last_error() = "the emulator runs the fixed-partition kernel with the reduce launch or the fused reduce only";
+  if (p.cluster > 1) {
+    last_error() = "the emulator does not run the cluster combine";
     return 2;
   }
+  if (p.steal)
+    return walk_grid(cpa::paged_attention_kernel<Cfg, true>, num_seqs, p.max_num_partitions, num_kv_heads,
+                     Cfg::THREADS, p);
   return walk_grid(cpa::paged_attention_kernel<Cfg>, num_seqs, p.max_num_partitions, num_kv_heads, Cfg::THREADS, p);
 }
 
@@ -55,12 +61,13 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
                                    int num_seqs, int num_heads, int num_kv_heads,                  \
                                    int max_blocks_per_seq, int max_num_partitions,                 \
                                    long long kv_block_stride, long long kv_head_stride,           \
-                                   float scale_log2, float out_scale, int out_direct, int* counters) { \
+                                   float scale_log2, float out_scale, int out_direct, int* counters, \
+                                   int* steal) {                                                   \
     cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, counters, num_kv_heads, 0, nullptr,                            \
+                      out_direct, counters, num_kv_heads, 0, steal,                              \
                       cpa::launch_tokens(max_num_partitions, CpaCfg::partition_size,              \
                                          max_blocks_per_seq, CpaCfg::block_size)};                \
     return cpa_emu::attention<CpaCfg>(p, num_seqs, num_kv_heads);                                  \
