@@ -654,6 +654,8 @@ def emu_check(
                                              "NVIDIA; the cuda default and only choice)."),
     platform: str = typer.Option("hip", help="hip (the AMD code path, wave64 + MFMA) or cuda (the NVIDIA one, "
                                  "warp32 + mma.sync, without its PTX-only paths)."),
+    flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions of the build, e.g. "
+                                        "'-DCPA_K_WHOLE_LINES=0' (not -DCPA_KV_ASYNC / -DCPA_LOAD_ONLY)."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an
@@ -675,6 +677,10 @@ def emu_check(
         raise typer.BadParameter(f"{platform!r}: one of {', '.join(V.PLATFORMS)}", param_hint="--platform")
     if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
+    try:
+        knob_flags = emu.check_flags((flags or "").split())
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--flags") from None
     typer.echo(f"{'variant':<48} {'wave ops':>9} {'seconds':>8} {'rel err':>9}  verdict")
     bad = ran = 0
     for tiling in names:
@@ -682,7 +688,7 @@ def emu_check(
             try:
                 r = emu.check(tiling, p, dtype=dtype, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
-                              fp8_format=fp8_format, platform=platform)
+                              fp8_format=fp8_format, platform=platform, flags=knob_flags)
             except ValueError as e:
                 typer.echo(f"{tiling}-p{p}: not a {platform} variant ({e})")
                 continue

@@ -35,18 +35,35 @@ import torch
 from . import variants as V
 from .jit import CSRC, cache_root, sources_digest
 from .ops import fp8_format_unsupported, kernel_scalars
-from .static import find_clang
+from .static import check_knob_flags, find_clang
 from .validation import validate_paged_attention_args
 
 EMU = CSRC / "emu"
 FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-DCPA_EMU")
 PLATFORM_FLAGS = {"hip": (), "cuda": ("-DCPA_EMU_CUDA",)}
+# knobs whose builds the emulator cannot run (the rest -- CPA_K_WHOLE_LINES, CPA_V_AFTER_QK,
+# CPA_BT_PREFETCH, CPA_FUSED_REDUCE, CPA_REDUCE_FEW_* ... -- change code it runs)
+UNEMULATED = {"CPA_KV_ASYNC": "the staged / ring main loops (cp.async, TMA) are not emulated",
+              "CPA_LOAD_ONLY": "a load-only build computes nothing to check"}
 
 
-def _digest(compiler: str, variant: V.Variant) -> str:
+def check_flags(flags) -> tuple:
+    """A knob build's -DNAME[=VALUE] flags as a tuple, refused before any compile where the
+    emulator cannot run that build (UNEMULATED, set to anything but 0)."""
+    flags = check_knob_flags(flags)
+    for f in flags:
+        name, _, value = f[2:].partition("=")
+        if name in UNEMULATED and value.strip() != "0":
+            raise ValueError(f"{f}: {UNEMULATED[name]}")
+        if name.startswith("CPA_EMU"):
+            raise ValueError(f"{f}: the platform is chosen by the variant (platform='hip' or 'cuda')")
+    return flags
+
+
+def _digest(compiler: str, variant: V.Variant, flags=()) -> str:
     # the kernel headers and the emulator's (clang++ on the host: ext_vector_type, _Float16)
     key = " ".join([sources_digest(CSRC), sources_digest(EMU), compiler, *FLAGS, *PLATFORM_FLAGS[variant.platform],
-                    variant.name])
+                    variant.name, *flags])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -86,10 +103,12 @@ class EmuKernel:
 _loaded: dict[str, EmuKernel] = {}
 
 
-def build(variant: V.Variant) -> EmuKernel:
-    """Compile (or load from the disk cache) the host build of one variant (its HIP or CUDA side)."""
+def build(variant: V.Variant, flags=()) -> EmuKernel:
+    """Compile (or load from the disk cache) the host build of one variant (its HIP or CUDA
+    side); ``flags``: -D knob definitions of a knob's build (check_flags)."""
+    flags = check_flags(flags)
     cxx = find_clang()
-    key = _digest(cxx, variant)
+    key = _digest(cxx, variant, flags)
     if key in _loaded:
         return _loaded[key]
     out = cache_root() / "emu" / f"{variant.name}-{key}.so"
@@ -99,7 +118,8 @@ def build(variant: V.Variant) -> EmuKernel:
             src = Path(work) / "tu.cpp"
             src.write_text(source(variant))
             tmp = Path(work) / out.name
-            p = subprocess.run([cxx, *FLAGS, *PLATFORM_FLAGS[variant.platform], f"-I{CSRC}", str(src), "-o", str(tmp)],
+            p = subprocess.run([cxx, *FLAGS, *PLATFORM_FLAGS[variant.platform], *flags, f"-I{CSRC}", str(src), "-o",
+                                str(tmp)],
                                capture_output=True, text=True, timeout=600)
             if p.returncode:
                 raise RuntimeError(f"emulator build of {variant.name} failed:\n{p.stderr[-4000:]}")
@@ -116,7 +136,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
                     check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
-                    shared_steps: bool = False):
+                    shared_steps: bool = False, flags=()):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
@@ -124,7 +144,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     ``check_values`` as for ``cpa.paged_attention``: the grid is sized from max_seq_len.
     ``shared_steps``: the shared-steps kernel (ops.prepare(shared_steps=True)), then the reduce;
     its workgroups run one after another here, so the first of each sequence takes every ticket
-    and the others run only their first steps; its counters must return to zero."""
+    and the others run only their first steps; its counters must return to zero. ``flags``: the
+    -D knobs of the build (e.g. ``("-DCPA_K_WHOLE_LINES=0",)``; check_flags)."""
+    flags = check_flags(flags)
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
@@ -143,9 +165,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         why = why or ("shared steps keep no fixed-range partials (return_intermediates)" if return_intermediates
                       else "shared steps are combined by the reduce kernel, not the fused reduce" if fused_reduce
                       else None)
+    if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
+        why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"
     if why:
         raise ValueError(why)
-    k = build(variant)
+    k = build(variant, flags)
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
     parts = -(-shape.max_seq_len // partition_size)
     nan = float("nan")
@@ -178,7 +202,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dtype: str = "auto",
           head_size: int = 128, block_size: int = 16, gqa: int | None = None, seq_lens=(1, 17, 300, 1000),
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
-          fp8_format: str | None = None, platform: str = "hip") -> dict:
+          fp8_format: str | None = None, platform: str = "hip", flags=()) -> dict:
     """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
@@ -200,10 +224,10 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
                             kv_cache_dtype=kv_cache_dtype, seed=partition_size if seed is None else seed,
                             fp8_format=fp8_format)
     kw = inp.as_kwargs()
-    k = build(v)
+    k = build(v, flags)
     ops0, t0 = k.wave_ops, time.perf_counter()
     out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce,
-                          platform=platform)
+                          platform=platform, flags=flags)
     secs = time.perf_counter() - t0
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,

@@ -303,6 +303,24 @@ def test_shared_steps_kernel_in_the_emulator(platform, tiling, P, dtype, kv):
     assert err <= reference.REL_ERR_TOL[inp.query.dtype], f"relative error {err:.3g}"
 
 
+KNOBS = [("cuda", "-DCPA_K_WHOLE_LINES=0"), ("cuda", "-DCPA_V_AFTER_QK=1"), ("cuda", "-DCPA_BT_PREFETCH=0"),
+         ("cuda", "-DCPA_FP8_F16_MMA=0"), ("cuda", "-DCPA_REDUCE_FEW_ALWAYS=1"), ("hip", "-DCPA_BT_PREFETCH=1"),
+         ("hip", "-DCPA_V_AFTER_QK=1")]
+
+
+@pytest.mark.parametrize("platform,flag", KNOBS, ids=[f"{p}{f[2:]}" for p, f in KNOBS])
+def test_knob_builds_in_the_emulator(platform, flag):
+    """A knob's build (the -D flags of scripts/h200.sh's A/B arms and of `cpa static --flags`)
+    through the emulator, every tiling, bf16 queries with an fp8 cache and with a 16-bit one:
+    an arm's lane mapping or control flow checked on the CPU before a GPU times it (breaking
+    CPA_K_WHOLE_LINES=0's token order in tilings.h fails here and nowhere else on a CPU)."""
+    for tiling in V.TILINGS:
+        for kv in V.KV_CACHE_DTYPES:
+            r = emu.check(tiling, 256, dtype="bf16", kv_cache_dtype=kv, platform=platform, flags=(flag,),
+                          seq_lens=(1, 17, 300, 1000, 2100))
+            assert r["ok"], r
+
+
 def test_emulator_refuses_what_it_does_not_run():
     from cpa.inputs import make_paged_inputs
 
@@ -321,6 +339,13 @@ def test_emulator_refuses_what_it_does_not_run():
     with pytest.raises(ValueError, match="fused reduce"):
         emu.paged_attention(**inp.as_kwargs(), partition_size=512, tiling="mfma16", shared_steps=True,
                             fused_reduce=True)
+    for flags, match in ((("-DCPA_KV_ASYNC=1",), "staged"), (("-DCPA_LOAD_ONLY",), "load-only"),
+                         (("-O0",), "only -DNAME"), (("-DCPA_EMU_CUDA",), "platform")):
+        with pytest.raises(ValueError, match=match):  # (before any compile)
+            emu.paged_attention(**inp.as_kwargs(), partition_size=256, tiling="mfma16", flags=flags)
+    with pytest.raises(ValueError, match="CPA_FUSED_REDUCE=0"):
+        emu.paged_attention(**inp.as_kwargs(), partition_size=64, tiling="mfma16", fused_reduce=True,
+                            flags=("-DCPA_FUSED_REDUCE=0",))
 
 
 
@@ -337,6 +362,13 @@ def test_cli_runs_variants_through_the_emulator():
                                             "mfma4-p256-h128-b16-fp16-kvauto-g4-hip"]
     res = CliRunner().invoke(app, ["emu", "--dtype", "fp64"])
     assert res.exit_code == 2 and "fp16 or bf16" in res.output
+    res = CliRunner().invoke(app, ["emu", "--platform", "cuda", "--tilings", "mfma4", "--seq-lens", "5,300",
+                                   "--flags", "-DCPA_K_WHOLE_LINES=0"])
+    assert res.exit_code == 0, res.output
+    assert [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")] == [
+        "mfma4-p256-h128-b16-fp16-kvauto-g8-cuda"]
+    res = CliRunner().invoke(app, ["emu", "--flags", "-DCPA_KV_ASYNC=4"])
+    assert res.exit_code == 2 and "not emulated" in res.output
 
 
 def test_two_threads_emulate_at_once():
