@@ -653,7 +653,7 @@ def emu_check(
                                              "writes it on gfx94x; the hip default) or e4m3fn (OCP: gfx950, "
                                              "NVIDIA; the cuda default and only choice)."),
     platform: str = typer.Option("hip", help="hip (the AMD code path, wave64 + MFMA) or cuda (the NVIDIA one, "
-                                 "warp32 + mma.sync, without its PTX-only paths)."),
+                                 "warp32 + mma.sync; not its staged loops, clusters or PDL)."),
     flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions of the build, e.g. "
                                         "'-DCPA_K_WHOLE_LINES=0' (not -DCPA_KV_ASYNC / -DCPA_LOAD_ONLY)."),
 ) -> None:

@@ -12,8 +12,8 @@ it says nothing about MI300 timing, ISA scheduling or the memory model.
 
 A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, the shuffles,
 ``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
-NVIDIA tilings' lane mappings are checked on a machine without a GPU too; the PTX-only paths
-(the hardware fp8 conversion, cache hints, the staged loops, clusters, PDL) are not emulated.
+NVIDIA tilings' lane mappings are checked on a machine without a GPU too (the sm_89+ hardware
+fp8 decode is emulated as well); cache hints, the staged loops, clusters and PDL are not.
 
 ``paged_attention(...)`` takes CPU tensors and the same arguments as ``cpa.paged_attention``
 (validated by the same function), with an explicit ``partition_size`` and ``tiling``. Slow

@@ -10,7 +10,7 @@ head 128, block 16 (GQA 8; AMD's mfma4, its small-GQA tiling, at GQA 4); head 64
 block 32, GQA 1 / 4 / 16, ALiBi and the fused reduce at partition 256; the longest partitions
 for mfma16. Each case runs one batch of the edge lengths {1, 17, P-1, P, P+1, 3P+7} with 2 KV
 heads, outputs and intermediates NaN-poisoned. The CUDA side runs its default build without
-the PTX-only paths (hardware fp8 conversion, cache hints, staged loops, clusters, PDL), which
+the PTX-only paths it cannot emulate (cache hints, staged loops, clusters, PDL), which
 the GPU tests cover.
 """
 
@@ -304,7 +304,8 @@ def test_shared_steps_kernel_in_the_emulator(platform, tiling, P, dtype, kv):
 
 
 KNOBS = [("cuda", "-DCPA_K_WHOLE_LINES=0"), ("cuda", "-DCPA_V_AFTER_QK=1"), ("cuda", "-DCPA_BT_PREFETCH=0"),
-         ("cuda", "-DCPA_FP8_F16_MMA=0"), ("cuda", "-DCPA_REDUCE_FEW_ALWAYS=1"), ("hip", "-DCPA_BT_PREFETCH=1"),
+         ("cuda", "-DCPA_FP8_F16_MMA=0"), ("cuda", "-DCPA_REDUCE_FEW_ALWAYS=1"), ("cuda", "-DCPA_FP8_CVT=0"),
+         ("hip", "-DCPA_BT_PREFETCH=1"),
          ("hip", "-DCPA_V_AFTER_QK=1")]
 
 

@@ -537,14 +537,17 @@ CPA_DEVICE uint32_t fp8x2_to_half2_div256(uint32_t w) {
 #ifndef CPA_FP8_CVT
 #define CPA_FP8_CVT 1
 #endif
-#if CPA_CUDA && CPA_FP8_CVT && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-#define CPA_FP8_HW 1  // (device pass of an sm_89+ build only)
+#if CPA_CUDA && CPA_FP8_CVT && ((defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890) || defined(CPA_EMU))
+#define CPA_FP8_HW 1  // (device pass of an sm_89+ build; the emulator's CUDA side emulates it)
 #else
 #define CPA_FP8_HW 0
 #endif
 // Four bytes -> two packed 16-bit registers of type T (fp16 or bf16), value / 256.
 template <class T> CPA_DEVICE u32x2 fp8x4_to_16bit(uint32_t w) {
-#if CPA_FP8_HW
+#if CPA_FP8_HW && defined(CPA_EMU)
+  const uint32_t h01 = ::cpa_emu::cvt_f16x2_e4m3x2_div256(w & 0xffffu);
+  const uint32_t h23 = ::cpa_emu::cvt_f16x2_e4m3x2_div256(w >> 16);
+#elif CPA_FP8_HW
   uint32_t h01, h23;
   asm("{ .reg .b16 lo, hi;\n"
       "  mov.b32 {lo, hi}, %2;\n"

@@ -6,9 +6,9 @@
 //    the only execution the AMD tilings get here;
 //  * the CUDA side (-DCPA_EMU_CUDA): warp32, __shfl_*_sync, mma.sync.m16n8k16 / m16n8k8 and
 //    movmatrix.m8n8.trans with the fragment layouts the PTX ISA documents, __syncthreads and
-//    __syncwarp -- so that an index change in the NVIDIA tilings fails on the CPU before a GPU
-//    sees it. The PTX-only paths are not emulated: the hardware fp8 conversion (the bit trick
-//    runs instead, as before sm_89), cache hints, cp.async / TMA (staged loops), clusters, PDL.
+//    __syncwarp, and the sm_89+ hardware fp8 decode (cvt.rn.f16x2.e4m3x2) with __byte_perm --
+//    so that an index change in the NVIDIA tilings fails on the CPU before a GPU sees it. Not
+//    emulated: cache hints, cp.async / TMA (staged loops), clusters, PDL.
 // It checks lane mappings and control flow, not timing, ISA or the memory model: every lane is a
 // fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
 // shuffle, a wave barrier) or a workgroup barrier; when every live lane of a wave is waiting
@@ -377,6 +377,33 @@ template <class P> inline P __ldg(const P* p) { return *p; }
 template <class P> inline P __ldcg(const P* p) { return *p; }
 inline int atomicAdd(int* p, int v) { return ::cpa_emu::fetch_add(p, v); }
 inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
+// __byte_perm(x, y, s): byte n of the result is byte (s >> 4n) & 7 of the 8 bytes {y, x}
+// (x bytes 0-3, y bytes 4-7)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7))) & 0xffu) << (8 * n);
+  return r;
+}
+namespace cpa_emu {
+// platform.h's hardware fp8 decode (CPA_FP8_HW): cvt.rn.f16x2.e4m3x2 of the two bytes of `w`
+// (the low byte to the low half, as the reverse conversion packs them), then mul.rn.f16x2 by
+// 2^-8: each e4m3fn value / 256, exact in fp16 (NaN bytes to NaN)
+inline uint32_t cvt_f16x2_e4m3x2_div256(uint32_t w) {
+  uint32_t r = 0;
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t b = (w >> (8 * h)) & 0xffu;
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 15 && m == 7 ? NAN : e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf((float)m, -9);
+    _Float16 x = (_Float16)((b & 0x80u) ? -v : v);
+    x = x * (_Float16)0.00390625f;
+    uint16_t bits;
+    memcpy(&bits, &x, 2);
+    r |= (uint32_t)bits << (16 * h);
+  }
+  return r;
+}
+}  // namespace cpa_emu
 // (named by the staged loops' cp.async / TMA helpers, which the emulator does not run: they
 // stay PTX asm and are never emitted unless a CPA_KV_ASYNC build calls them, which fails)
 inline unsigned __cvta_generic_to_shared(const void* p) { return (unsigned)(uintptr_t)p; }
