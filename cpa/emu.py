@@ -34,7 +34,7 @@ import torch
 
 from . import variants as V
 from .jit import CSRC, cache_root, sources_digest
-from .ops import fp8_format_unsupported, kernel_scalars
+from .ops import fp8_format_unsupported, kernel_scalars, shared_steps_refusal
 from .static import check_knob_flags, find_clang
 from .validation import validate_paged_attention_args
 
@@ -161,10 +161,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                             kv_cache_dtype=shape.kv_cache_dtype, gqa_ratio=shape.gqa_ratio, platform=platform)
     why = fp8_format_unsupported(platform, shape.fp8_format) if shape.kv_cache_dtype == "fp8" else None
     if shared_steps:
-        why = why or V.shared_steps_unsupported(variant)
-        why = why or ("shared steps keep no fixed-range partials (return_intermediates)" if return_intermediates
-                      else "shared steps are combined by the reduce kernel, not the fused reduce" if fused_reduce
-                      else None)
+        why = why or shared_steps_refusal(variant, return_intermediates=return_intermediates,
+                                          fused_reduce=fused_reduce)
     if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
         why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"
     if why:

@@ -289,13 +289,10 @@ def prepare(query, key_cache, value_cache, block_tables, seq_lens, scale, *, par
     if fused and "-DCPA_FUSED_REDUCE=0" in extra_flags():
         raise ValueError("fused_reduce=True, but CPA_NVCC_FLAGS compiles the fused reduce out (-DCPA_FUSED_REDUCE=0)")
     if shared_steps:
-        why = V.shared_steps_unsupported(variant, kv_async=kv_async)
-        why = why or ("return_intermediates=True compares partials of fixed token ranges, which shared steps do "
-                      "not keep" if return_intermediates else None)
-        why = why or ("fused_reduce=True is not combined with shared steps" if fused_reduce else None)
-        why = why or ("cluster_reduce=True is not combined with shared steps" if cluster_reduce else None)
+        why = shared_steps_refusal(variant, kv_async=kv_async, return_intermediates=return_intermediates,
+                                   fused_reduce=fused_reduce, cluster_reduce=cluster_reduce)
         if why:
-            raise ValueError(f"shared_steps=True: {why}")
+            raise ValueError(why)
         cluster_reduce = False
     kernel = build(variant, query.device)  # (after every refusal: a refused call costs no compile)
     cluster = _cluster_size(cluster_reduce, kernel, arch, shape, fused=fused,
@@ -399,6 +396,18 @@ def resident_per_sm(variant: V.Variant, device, *, shared_steps: bool = False) -
     if key not in _resident:
         _resident[key] = int(build(variant, device).attributes()[kname]["blocks_per_sm"])
     return _resident[key]
+
+
+def shared_steps_refusal(variant: V.Variant, *, kv_async: bool = False, return_intermediates: bool = False,
+                         fused_reduce=None, cluster_reduce=None) -> str | None:
+    """Why a shared_steps=True launch of `variant` with these options is refused (None: it is
+    not), as ``shared_steps=True: <reason>``; prepare and the wave emulator (cpa.emu) ask it."""
+    why = V.shared_steps_unsupported(variant, kv_async=kv_async)
+    why = why or ("return_intermediates=True compares partials of fixed token ranges, which shared steps do "
+                  "not keep" if return_intermediates else None)
+    why = why or ("fused_reduce=True is not combined with shared steps" if fused_reduce else None)
+    why = why or ("cluster_reduce=True is not combined with shared steps" if cluster_reduce else None)
+    return f"shared_steps=True: {why}" if why else None
 
 
 def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAttentionShape, *, fused: bool,

@@ -43,14 +43,20 @@ PLATFORMS = ("hip", "cuda")
 
 
 # ------------------------------------------------------------------ the emulator itself
-@pytest.fixture(scope="module")
-def selftest(tmp_path_factory):
-    out = tmp_path_factory.mktemp("emu") / "selftest.so"
-    src = Path(__file__).parent / "emu" / "selftest.cpp"
-    subprocess.run([CXX, *emu.FLAGS, f"-I{emu.CSRC}", str(src), "-o", str(out)], check=True, capture_output=True)
+def _selftest_lib(tmp_path_factory, name: str, platform: str):
+    """tests/emu/<name>.cpp built for the emulator's `platform` side and loaded."""
+    out = tmp_path_factory.mktemp("emu") / f"{name}.so"
+    src = Path(__file__).parent / "emu" / f"{name}.cpp"
+    subprocess.run([CXX, *emu.FLAGS, *emu.PLATFORM_FLAGS[platform], f"-I{emu.CSRC}", str(src), "-o", str(out)],
+                   check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     lib.emu_error.restype = ctypes.c_char_p
     return lib
+
+
+@pytest.fixture(scope="module")
+def selftest(tmp_path_factory):
+    return _selftest_lib(tmp_path_factory, "selftest", "hip")
 
 
 def _bits(x: np.ndarray, bf16: bool) -> np.ndarray:
@@ -85,13 +91,7 @@ def test_emulated_permute_and_its_errors(selftest):
 # ------------------------------------------------------------------ the emulator's CUDA side
 @pytest.fixture(scope="module")
 def selftest_cuda(tmp_path_factory):
-    out = tmp_path_factory.mktemp("emu") / "selftest_cuda.so"
-    src = Path(__file__).parent / "emu" / "selftest_cuda.cpp"
-    subprocess.run([CXX, *emu.FLAGS, *emu.PLATFORM_FLAGS["cuda"], f"-I{emu.CSRC}", str(src), "-o", str(out)],
-                   check=True, capture_output=True)
-    lib = ctypes.CDLL(str(out))
-    lib.emu_error.restype = ctypes.c_char_p
-    return lib
+    return _selftest_lib(tmp_path_factory, "selftest_cuda", "cuda")
 
 
 WARP = [(lane >> 2, lane & 3) for lane in range(32)]  # lane 4 g + t: (groupID g, threadID_in_group t)
@@ -337,7 +337,7 @@ def test_emulator_refuses_what_it_does_not_run():
     with pytest.raises(ValueError, match="shared steps need >= 512 tokens"):  # AMD mfma4: 64-token steps
         emu.paged_attention(**make_paged_inputs(1, 4, 1, 128, 16, [40], dtype=torch.float16).as_kwargs(),
                             partition_size=256, tiling="mfma4", shared_steps=True)
-    with pytest.raises(ValueError, match="fused reduce"):
+    with pytest.raises(ValueError, match="fused_reduce=True is not combined with shared steps"):
         emu.paged_attention(**inp.as_kwargs(), partition_size=512, tiling="mfma16", shared_steps=True,
                             fused_reduce=True)
     for flags, match in ((("-DCPA_KV_ASYNC=1",), "staged"), (("-DCPA_LOAD_ONLY",), "load-only"),

@@ -255,13 +255,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
 
 template <class V>
 inline float lane_value(V v, int i, bool bf16) {
-  if (bf16) {
-    const uint32_t bits = ((uint32_t)(uint16_t)v[i]) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-  }
-  return (float)v[i];
+  return bf16 ? half_of((uint16_t)v[i], 0, true) : (float)v[i];
 }
 
 template <int OP, bool BF16, class AV, class CV>
