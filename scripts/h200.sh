@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
-# racecheck-async, hostcost, hostprofile,
+# racecheck-async, hostcost, hostprofile, firstlaunch,
 # ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern, readpattern-shapes,
 # readpattern-arms.
 set -uo pipefail
@@ -358,6 +358,24 @@ PYEOF
       bench_rows h200-target2.csv ${CPA_T2_TIMEOUT:-540} 40 \
         --batches ${CPA_T2_BATCHES:-1,2,4,8} --contexts ${CPA_T2_CONTEXTS:-8192,16384,32768,65536,131072} \
         $V --no-shared ${CPA_T2_ARGS:-}
+      ;;
+    firstlaunch)
+      # is a shape's first timed launch slow because it is first? (notes, "Open"; any card) The
+      # same variant at positions 0, 1 and 3 of each shape (and 1024 first in a second order),
+      # then the first order again with a 300 ms warm-up; the SM clock logged every 100 ms.
+      $PY -m cpa prebuild --grid bench --tilings mfma16 --partition-sizes 512,1024 2>&1 | grep "prebuild:"
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
+        > "$OUT/$GPU_TAG-firstlaunch-clocks.csv" 2>&1 & smi=$!
+      FL="--batches 1,2 --contexts 8192,16384 --tilings mfma16 --no-fused --no-cluster --no-shared --no-sdpa --no-default"
+      for order in 512,512,1024,512 1024,512,512,1024; do
+        CPA_COMMAND="python3 -m cpa bench $FL --partition-sizes $order" timeout 150 $PY -m cpa bench $FL \
+          --partition-sizes $order --out "$OUT/$GPU_TAG-firstlaunch-${order//,/-}.csv" 2>&1 | grep -A20 "best_us\|time_us" | head -20
+      done
+      CPA_COMMAND="python3 -m cpa bench $FL --partition-sizes 512,512,1024,512 (cpa.timing.WARMUP_US = 300000)" \
+        timeout 150 $PY -c "import sys, cpa.timing as T; T.WARMUP_US = 300_000.0
+from cpa.cli import app; app(prog_name='cpa')" bench $FL --partition-sizes 512,512,1024,512 \
+        --out "$OUT/$GPU_TAG-firstlaunch-warm300ms.csv" 2>&1 | grep -A20 "time_us" | head -20
+      kill $smi
       ;;
     hostcost)
       # the host's cost per decode call by launch path (cpa.hostcost), on any card: the file is
