@@ -656,6 +656,12 @@ def emu_check(
                                  "warp32 + mma.sync; not its staged loops, clusters or PDL)."),
     flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions of the build, e.g. "
                                         "'-DCPA_K_WHOLE_LINES=0' (not -DCPA_KV_ASYNC / -DCPA_LOAD_ONLY)."),
+    shared_steps: bool = typer.Option(False, help="the shared-steps kernel (the workgroups of a sequence take "
+                                      "its steps from one counter)."),
+    workgroups_at_once: int = typer.Option(1, help="1: workgroups one after another in grid order; more: "
+                                           "dispatched in a seeded random order to that many host threads "
+                                           "taking turns after every wave-wide operation (1-64)."),
+    schedule_seed: int = typer.Option(0, help="the seed of that order and of the turns."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an
@@ -677,6 +683,8 @@ def emu_check(
         raise typer.BadParameter(f"{platform!r}: one of {', '.join(V.PLATFORMS)}", param_hint="--platform")
     if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
+    if not 1 <= workgroups_at_once <= 64:
+        raise typer.BadParameter(f"{workgroups_at_once}: 1 to 64", param_hint="--workgroups-at-once")
     try:
         knob_flags = emu.check_flags((flags or "").split())
     except ValueError as e:
@@ -688,7 +696,9 @@ def emu_check(
             try:
                 r = emu.check(tiling, p, dtype=dtype, kv_cache_dtype=kv_cache_dtype, head_size=head_size,
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
-                              fp8_format=fp8_format, platform=platform, flags=knob_flags)
+                              fp8_format=fp8_format, platform=platform, flags=knob_flags,
+                              shared_steps=shared_steps, workgroups_at_once=workgroups_at_once,
+                              schedule_seed=schedule_seed)
             except ValueError as e:
                 typer.echo(f"{tiling}-p{p}: not a {platform} variant ({e})")
                 continue

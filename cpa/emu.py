@@ -39,7 +39,7 @@ from .static import check_knob_flags, find_clang
 from .validation import validate_paged_attention_args
 
 EMU = CSRC / "emu"
-FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-DCPA_EMU")
+FLAGS = ("-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-DCPA_EMU")
 PLATFORM_FLAGS = {"hip": (), "cuda": ("-DCPA_EMU_CUDA",)}
 # knobs whose builds the emulator cannot run (the rest -- CPA_K_WHOLE_LINES, CPA_V_AFTER_QK,
 # CPA_BT_PREFETCH, CPA_FUSED_REDUCE, CPA_REDUCE_FEW_* ... -- change code it runs)
@@ -87,6 +87,9 @@ class EmuKernel:
         L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, vp]
         L.cpa_emu_reduce.restype = i32
         L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 4
+        L.cpa_emu_set_schedule.restype = None
+        L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong]
+        L.cpa_emu_switches.restype = i64
         if L.cpa_variant().decode() != self.variant.name:
             raise RuntimeError(f"{self.path} holds {L.cpa_variant().decode()}, not {self.variant.name}")
 
@@ -98,6 +101,12 @@ class EmuKernel:
     def wave_ops(self) -> int:
         """Wave-wide operations (matrix instructions, permutes, wave barriers) emulated so far."""
         return int(self.lib.cpa_emu_wave_ops())
+
+    @property
+    def switches(self) -> int:
+        """Turns handed from one workgroup's host thread to another's in the launches of the last
+        paged_attention call (0 with workgroups_at_once=1: they never interleave)."""
+        return int(self.lib.cpa_emu_switches())
 
 
 _loaded: dict[str, EmuKernel] = {}
@@ -136,17 +145,23 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
                     check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
-                    shared_steps: bool = False, flags=()):
+                    shared_steps: bool = False, flags=(), workgroups_at_once: int = 1, schedule_seed: int = 0):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
     of each sequence and KV head combines). Outputs start NaN-poisoned. ``max_seq_len`` and
     ``check_values`` as for ``cpa.paged_attention``: the grid is sized from max_seq_len.
     ``shared_steps``: the shared-steps kernel (ops.prepare(shared_steps=True)), then the reduce;
-    its workgroups run one after another here, so the first of each sequence takes every ticket
-    and the others run only their first steps; its counters must return to zero. ``flags``: the
-    -D knobs of the build (e.g. ``("-DCPA_K_WHOLE_LINES=0",)``; check_flags)."""
+    its counters must return to zero. ``flags``: the -D knobs of the build (e.g.
+    ``("-DCPA_K_WHOLE_LINES=0",)``; check_flags).
+    ``workgroups_at_once``: 1 runs the workgroups one after another in grid order (then the first
+    workgroup of a sequence takes every shared-steps ticket its waves reach, and the last
+    partition is the last to arrive at the fused reduce's count); more dispatches them in an order
+    shuffled by ``schedule_seed`` to that many host threads taking turns after every wave-wide
+    operation (wave_emu.h), so that workgroups sharing a counter interleave."""
     flags = check_flags(flags)
+    if not (isinstance(workgroups_at_once, int) and 1 <= workgroups_at_once <= 64):
+        raise ValueError(f"workgroups_at_once must be an int in 1..64, got {workgroups_at_once!r}")
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
@@ -181,6 +196,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
     steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32) if shared_steps else None
     tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
+    k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed)
     k.check(k.lib.cpa_emu_attention(
         _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
         S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, block_stride, head_stride,
@@ -200,13 +216,15 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
 def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dtype: str = "auto",
           head_size: int = 128, block_size: int = 16, gqa: int | None = None, seq_lens=(1, 17, 300, 1000),
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
-          fp8_format: str | None = None, platform: str = "hip", flags=()) -> dict:
+          fp8_format: str | None = None, platform: str = "hip", flags=(), shared_steps: bool = False,
+          workgroups_at_once: int = 1, schedule_seed: int = 0) -> dict:
     """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
     combination that is not a variant of ``platform``. An fp8 cache is in ``fp8_format`` (on
     AMD by default MI300's e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950; NVIDIA
-    reads e4m3fn only)."""
+    reads e4m3fn only). ``shared_steps``, ``workgroups_at_once``, ``schedule_seed``: as for
+    paged_attention (the row's ``switches``: turns handed between workgroups)."""
     import time
 
     from . import reference
@@ -225,9 +243,11 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
     k = build(v, flags)
     ops0, t0 = k.wave_ops, time.perf_counter()
     out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce,
-                          platform=platform, flags=flags)
+                          platform=platform, flags=flags, shared_steps=shared_steps,
+                          workgroups_at_once=workgroups_at_once, schedule_seed=schedule_seed)
     secs = time.perf_counter() - t0
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,
                 kv_cache_dtype=kv_cache_dtype, head_size=head_size, gqa=g, wave_ops=k.wave_ops - ops0,
+                switches=k.switches,
                 seconds=secs, rel_err=err, ok=bool(err <= reference.REL_ERR_TOL[dt]))

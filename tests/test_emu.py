@@ -289,7 +289,8 @@ def test_shared_steps_kernel_in_the_emulator(platform, tiling, P, dtype, kv):
     its 32- / 64-token steps from one ticket counter), then the reduce: right against the
     reference, counters back at zero (the emulator raises otherwise). Workgroups run one after
     another here, so the first of a sequence takes every ticket its four waves reach and the
-    others run only their first steps. The AMD instantiation has no other execution."""
+    others run only their first steps (test_concurrent_workgroups_in_the_emulator interleaves
+    them). The AMD instantiation has no other execution."""
     from cpa.inputs import make_paged_inputs
 
     g = GQA[platform][tiling]
@@ -301,6 +302,46 @@ def test_shared_steps_kernel_in_the_emulator(platform, tiling, P, dtype, kv):
     assert not torch.isnan(out).any()
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     assert err <= reference.REL_ERR_TOL[inp.query.dtype], f"relative error {err:.3g}"
+
+
+CONCURRENT = [(pf, t) for pf in PLATFORMS for t in ("mfma16", "scalar")]
+
+
+@pytest.mark.parametrize("platform,tiling", CONCURRENT, ids=["-".join(c) for c in CONCURRENT])
+def test_concurrent_workgroups_in_the_emulator(platform, tiling):
+    """Workgroups that share a counter, interleaved (workgroups_at_once=4: a seeded random
+    dispatch order, turns handed on after every wave-wide operation; wave_emu.h). Shared steps:
+    right, counters back at zero, and two schedules give bitwise different outputs (the tickets
+    went to other workgroups: in grid order the first workgroup of a sequence takes them all).
+    The fused reduce: whichever workgroup arrives last combines, bitwise the same output as in
+    grid order. Deciding the combiner by its partition index instead of the count passes in grid
+    order and fails here (checked by mutation, 2026-12-06)."""
+    from cpa.inputs import make_paged_inputs
+
+    g, P = GQA[platform][tiling], 512
+    lens = [1, 17, P + 1, 3 * P + 7, 9 * P + 5]
+    inp = make_paged_inputs(len(lens), g * 2, 2, 128, 16, lens, dtype=torch.float16, seed=97)
+    kw = inp.as_kwargs()
+    ref = reference.paged_attention(**kw)
+    k = emu.build(V.variant_for(tiling=tiling, partition_size=P, head_size=128, block_size=16, dtype="fp16",
+                                kv_cache_dtype="auto", gqa_ratio=g, platform=platform))
+    outs = []
+    for seed in (1, 2):
+        out = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, shared_steps=True,
+                                  workgroups_at_once=4, schedule_seed=seed)
+        assert k.switches > 100, k.switches  # (the reduce's workgroups alone hand on far fewer turns)
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= reference.REL_ERR_TOL[torch.float16], f"seed {seed}: relative error {err:.3g}"
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1]), "two schedules ran the same steps in the same workgroups"
+    grid_order = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, fused_reduce=True)
+    assert k.switches == 0
+    fused = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, fused_reduce=True,
+                                workgroups_at_once=4, schedule_seed=3)
+    assert k.switches > 100, k.switches
+    assert torch.equal(fused, grid_order)
+    with pytest.raises(ValueError, match="workgroups_at_once"):
+        emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, workgroups_at_once=0)
 
 
 KNOBS = [("cuda", "-DCPA_K_WHOLE_LINES=0"), ("cuda", "-DCPA_V_AFTER_QK=1"), ("cuda", "-DCPA_BT_PREFETCH=0"),
@@ -370,6 +411,13 @@ def test_cli_runs_variants_through_the_emulator():
         "mfma4-p256-h128-b16-fp16-kvauto-g8-cuda"]
     res = CliRunner().invoke(app, ["emu", "--flags", "-DCPA_KV_ASYNC=4"])
     assert res.exit_code == 2 and "not emulated" in res.output
+    res = CliRunner().invoke(app, ["emu", "--platform", "cuda", "--tilings", "mfma16", "--partition-sizes", "512",
+                                   "--seq-lens", "5,1600", "--shared-steps", "--workgroups-at-once", "4"])
+    assert res.exit_code == 0, res.output
+    assert [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")] == [
+        "mfma16-p512-h128-b16-fp16-kvauto-g8-cuda"]
+    res = CliRunner().invoke(app, ["emu", "--workgroups-at-once", "0"])
+    assert res.exit_code == 2 and "1 to 64" in res.output
 
 
 def test_two_threads_emulate_at_once():

@@ -10,19 +10,16 @@ namespace cpa_emu {
 
 template <class Kernel, class Params>
 int walk_grid(Kernel kernel, int gx, int gy, int gz, int threads, const Params& p) {
-  for (int z = 0; z < gz; ++z)
-    for (int y = 0; y < gy; ++y)
-      for (int x = 0; x < gx; ++x)
-        if (!run_group(threads, x, y, z, [&] { kernel(p); })) {
-          last_error() += " (grid " + std::to_string(gx) + " x " + std::to_string(gy) + " x " + std::to_string(gz) + ")";
-          return 1;
-        }
+  if (!run_grid(gx, gy, gz, threads, [&] { kernel(p); })) {
+    last_error() += " (grid " + std::to_string(gx) + " x " + std::to_string(gy) + " x " + std::to_string(gz) + ")";
+    return 1;
+  }
   return 0;
 }
 
-// The fixed-partition kernel, or with p.steal the shared-steps one (its workgroups run one after
-// another here, so the first of a sequence takes every ticket its waves reach and the others run
-// their first steps only: the combine's and the counters' edge, not an interleaving).
+// The fixed-partition kernel, or with p.steal the shared-steps one. In grid order (the default
+// schedule) the first workgroup of a sequence takes every ticket its waves reach and the others
+// run their first steps only; set_schedule's concurrent workgroups spread the tickets.
 template <class Cfg>
 int attention(const cpa::AttnParams& p, int num_seqs, int num_kv_heads) {
   if (p.cluster > 1) {
@@ -55,6 +52,12 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
   extern "C" const char* cpa_variant() { return NAME; }                                           \
   extern "C" const char* cpa_emu_error() { return cpa_emu::last_error().c_str(); }                \
   extern "C" long long cpa_emu_wave_ops() { return cpa_emu::group().wave_ops; }                   \
+  extern "C" void cpa_emu_set_schedule(int workers, unsigned long long seed) {                     \
+    cpa_emu::schedule().workers = workers;                                                         \
+    cpa_emu::schedule().seed = seed;                                                               \
+    cpa_emu::schedule().switches = 0;                                                              \
+  }                                                                                                \
+  extern "C" long long cpa_emu_switches() { return cpa_emu::schedule().switches; }               \
   extern "C" int cpa_emu_attention(void* out, float* exp_sums, float* max_logits, float* tmp_out, \
                                    const void* query, const void* key_cache, const void* value_cache, \
                                    const int* block_tables, const int* seq_lens, const float* alibi, \

@@ -22,8 +22,14 @@
 // ex2.approx are libm's exp2f here; the hardware is within 1-2 ULP and flushes denormal results
 // (far below the tolerances). The MFMA modifiers (cbsz, abid, blgp) are ignored: the kernels
 // pass 0.
-// Workgroups run one after another, so `__shared__` is a function-local static (thread_local:
-// one emulated workgroup per host thread).
+// Workgroups run one after another by default; with set_schedule(workers > 1, seed) a launch's
+// workgroups are dispatched in a seeded random order to `workers` host threads that take turns
+// (one runs at a time, so memory stays sequentially consistent): after every scheduling round of
+// the running workgroup (a wave-wide operation or a barrier computed) a seeded random pick among
+// the live workgroups runs next. That interleaves the workgroups that share counters (the
+// shared steps' tickets, the fused reduce's last-arriver count) at wave-operation granularity; it
+// is not a memory-model test (no reordering, no stale reads). `__shared__` is a function-local
+// static, thread_local: one emulated workgroup at a time per host thread.
 #pragma once
 
 #include <math.h>
@@ -31,8 +37,14 @@
 #include <string.h>
 #include <ucontext.h>
 
+#include <algorithm>
+#include <array>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define __device__
@@ -57,7 +69,11 @@ struct Lane {
   bool bf16 = false;
 };
 
+struct Baton;
+
 struct Group {
+  Baton* baton = nullptr;  // concurrent workgroups: the turn to hand on after each round
+  int worker = 0;
   int threads = 0, cur = 0;
   int block[3] = {0, 0, 0};
   std::vector<Lane> lanes;
@@ -77,6 +93,53 @@ inline Group& group() {
 inline std::string& last_error() {
   static thread_local std::string e;
   return e;
+}
+
+// The turn among the host threads of a concurrent launch (set_schedule): one runs at a time.
+struct Baton {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<char> live;
+  std::mt19937_64 rng;
+  int turn = 0;
+  bool abort = false;
+  long long switches = 0;  // turns handed to another workgroup's thread
+  Baton(int workers, uint64_t seed) : live(workers, 1), rng(seed) {}
+  void wait(std::unique_lock<std::mutex>& lk, int me) { cv.wait(lk, [&] { return turn == me; }); }
+  void pick(int me) {  // (under m) a random live worker, or -1 when none is left
+    int n = 0;
+    for (char c : live) n += c;
+    if (!n) { turn = -1; return; }
+    int k = (int)(rng() % (uint64_t)n);
+    for (int w = 0; w < (int)live.size(); ++w)
+      if (live[w] && k-- == 0) { switches += w != me; turn = w; break; }
+    cv.notify_all();
+  }
+  void start(int me) { std::unique_lock<std::mutex> lk(m); wait(lk, me); }
+  // hand the turn on and wait for it back; false when another thread failed (stop)
+  bool pass(int me) {
+    std::unique_lock<std::mutex> lk(m);
+    pick(me);
+    wait(lk, me);
+    return !abort;
+  }
+  void leave(int me, bool failed) {
+    std::unique_lock<std::mutex> lk(m);
+    live[me] = 0;
+    abort = abort || failed;
+    pick(me);
+  }
+};
+
+struct Schedule {
+  int workers = 1;
+  uint64_t seed = 0;
+  long long switches = 0;  // of the concurrent launches since set_schedule
+};
+// (per calling thread, as the emulator's other state)
+inline Schedule& schedule() {
+  static thread_local Schedule s;
+  return s;
 }
 
 inline void arrive(int op) {
@@ -250,7 +313,58 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       last_error() = "deadlock";
       return false;
     }
+    if (g.baton && !g.baton->pass(g.worker)) {
+      last_error() = "stopped: another workgroup failed";
+      return false;
+    }
   }
+}
+
+// Every workgroup of a gx x gy x gz grid through run_group: one after another in grid order, or
+// (schedule().workers > 1) in a seeded random order on that many host threads taking turns.
+template <class Body>
+inline bool run_grid(int gx, int gy, int gz, int threads, Body body) {
+  const Schedule sch = schedule();
+  if (sch.workers <= 1) {
+    for (int z = 0; z < gz; ++z)
+      for (int y = 0; y < gy; ++y)
+        for (int x = 0; x < gx; ++x)
+          if (!run_group(threads, x, y, z, body)) return false;
+    return true;
+  }
+  std::vector<std::array<int, 3>> order;
+  for (int z = 0; z < gz; ++z)
+    for (int y = 0; y < gy; ++y)
+      for (int x = 0; x < gx; ++x) order.push_back({x, y, z});
+  std::mt19937_64 rng(sch.seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  const int workers = std::min<int>(sch.workers, (int)order.size());
+  Baton baton(workers, rng());
+  size_t next = 0;  // (read and advanced by the thread holding the turn only)
+  std::string error;
+  long long ops = 0;
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      baton.start(w);
+      Group& g = group();
+      g.baton = &baton;
+      g.worker = w;
+      bool ok = true;
+      while (ok && !baton.abort && next < order.size()) {
+        const std::array<int, 3> b = order[next++];
+        ok = run_group(threads, b[0], b[1], b[2], body);
+        if (!ok && error.empty()) error = last_error();
+      }
+      ops += g.wave_ops;
+      g.baton = nullptr;
+      baton.leave(w, !ok);
+    });
+  for (std::thread& t : pool) t.join();
+  group().wave_ops += ops;
+  schedule().switches += baton.switches;
+  if (!error.empty()) last_error() = error;
+  return error.empty();
 }
 
 template <class V>
