@@ -85,6 +85,25 @@ else:
     display(pd.DataFrame(rows)[["variant", "wave_ops", "rel_err", "ok"]])
 
 # %% [markdown]
+# The shared-steps kernel (the workgroups of a sequence take its steps from one counter) is where
+# workgroups meet. Run one after another in grid order, the first workgroup of each sequence takes
+# every ticket; with `workgroups_at_once=4` they are dispatched in a seeded random order and take
+# turns after every wave-wide operation, so the tickets spread. Two schedules, both right; the
+# outputs differ in their last bits because other workgroups summed other steps. One workgroup
+# runs at a time: interleavings, not the memory model.
+
+# %%
+try:
+    find_clang()
+except RuntimeError as e:
+    print(f"emulator skipped: {e}")
+else:
+    rows = [emu.check("mfma16", 512, platform=pf, shared_steps=True, seq_lens=(17, 1600, 4100),
+                      workgroups_at_once=n, schedule_seed=seed)
+            for pf in ("hip", "cuda") for n, seed in ((1, 0), (4, 1), (4, 2))]
+    display(pd.DataFrame(rows)[["variant", "switches", "wave_ops", "rel_err", "ok"]])
+
+# %% [markdown]
 # ## Registers decide the occupancy
 # Attention kernel, fp16, 16-bit KV cache, block 16. The partition size does not change a
 # kernel's registers (it is a loop bound), only the grid; the tiling and the head size do.
