@@ -10,6 +10,7 @@ numbers were measured with.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -47,7 +48,27 @@ SHORT_PASS_US = 500.0
 # (H100, d7eccc2: 0.988 / 0.984 at the same two shapes; the cause is open), but it costs little
 # and keeps a short shape's timed replays from starting cold.
 WARMUP_US = 20_000.0
-MAX_WARMUP_REPLAYS = 2000
+MAX_WARMUP_REPLAYS = 2000  # (per WARMUP_US: a longer warm-up asked for may run proportionally more)
+# The first timing after a shape's inputs are written: a longer warm-up. On an H100 (e0c001c,
+# data/bench/experiments/h100-firstlaunch-*) the first timing of a shape read 1.4-1.5% slow at
+# 1 x 8k with the 20 ms warm-up, 0.4% with 300 ms, 0.1% with 1 s (the SM clock at 1980 MHz
+# throughout); the later timings of the shape were level. `cpa.bench` applies it (SETTLE).
+SETTLE_US = 1_000_000.0
+
+
+def settle_read(tensors: Sequence, us: float = SETTLE_US) -> int:
+    """Read `tensors` (a shape's K/V pool) on the device again and again for about `us`
+    microseconds; the number of passes. (An experiment's arm of bench.SETTLE: is reading the
+    fresh inputs what the first timing's long warm-up does?)"""
+    import torch
+
+    passes, t0 = 0, time.perf_counter()
+    while (time.perf_counter() - t0) * 1e6 < us:
+        for t in tensors:
+            t.view(torch.uint8).sum(dtype=torch.int64)
+        torch.cuda.synchronize()
+        passes += 1
+    return passes
 
 
 def cycled(calls: Sequence, min_calls: int, pass_us: float) -> list:
@@ -60,7 +81,7 @@ def cycled(calls: Sequence, min_calls: int, pass_us: float) -> list:
 
 
 def time_graph(calls: Sequence[Callable[[], None]], *, replays: int = 30, warmup: int = 3,
-               use_graph: bool = True, min_calls: int = MIN_CALLS) -> Timing:
+               use_graph: bool = True, min_calls: int = MIN_CALLS, warmup_us: float | None = None) -> Timing:
     """Median device time of one call, each call run once per replay (rotating sets); a list
     of fewer than ``min_calls`` whose pass takes under SHORT_PASS_US is cycled to that many."""
     import torch
@@ -98,7 +119,9 @@ def time_graph(calls: Sequence[Callable[[], None]], *, replays: int = 30, warmup
     w1.record()
     torch.cuda.synchronize()
     one_us = max(w0.elapsed_time(w1) * 1e3, 1.0)
-    for _ in range(min(MAX_WARMUP_REPLAYS, int(WARMUP_US / one_us))):  # (~WARMUP_US more of them)
+    warm_us = WARMUP_US if warmup_us is None else float(warmup_us)
+    cap = int(MAX_WARMUP_REPLAYS * max(1.0, warm_us / WARMUP_US))
+    for _ in range(min(cap, int(warm_us / one_us))):  # (~warm_us more of them)
         run()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

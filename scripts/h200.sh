@@ -361,20 +361,20 @@ PYEOF
       ;;
     firstlaunch)
       # is a shape's first timed launch slow because it is first? (notes, "Open"; any card) The
-      # same variant at positions 0, 1 and 3 of each shape (and 1024 first in a second order),
-      # then the first order again with a 300 ms warm-up; the SM clock logged every 100 ms.
+      # same variant at positions 0, 1 and 3 of each shape, once per way the shape's first timing
+      # settles (cpa.bench.SETTLE: none = the 20 ms warm-up alone, warmup = a 1 s warm-up of
+      # that timing, read = the K/V pool read for 1 s first, sleep = 1 s idle); the SM clock
+      # logged every 100 ms.
       $PY -m cpa prebuild --grid bench --tilings mfma16 --partition-sizes 512,1024 2>&1 | grep "prebuild:"
       nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
         > "$OUT/$GPU_TAG-firstlaunch-clocks.csv" 2>&1 & smi=$!
       FL="--batches 1,2 --contexts 8192,16384 --tilings mfma16 --no-fused --no-cluster --no-shared --no-sdpa --no-default"
-      for order in 512,512,1024,512 1024,512,512,1024; do
-        CPA_COMMAND="python3 -m cpa bench $FL --partition-sizes $order" timeout 150 $PY -m cpa bench $FL \
-          --partition-sizes $order --out "$OUT/$GPU_TAG-firstlaunch-${order//,/-}.csv" 2>&1 | grep -A20 "best_us\|time_us" | head -20
-      done
-      CPA_COMMAND="python3 -m cpa bench $FL --partition-sizes 512,512,1024,512 (cpa.timing.WARMUP_US = 300000)" \
-        timeout 150 $PY -c "import sys, cpa.timing as T; T.WARMUP_US = 300_000.0
+      for settle in ${CPA_FL_SETTLES:-none warmup read sleep}; do
+        CPA_COMMAND="python3 -m cpa bench $FL --partition-sizes 512,512,1024,512 (cpa.bench.SETTLE = $settle)" \
+          timeout 150 $PY -c "import cpa.bench as B; B.SETTLE = '$settle'
 from cpa.cli import app; app(prog_name='cpa')" bench $FL --partition-sizes 512,512,1024,512 \
-        --out "$OUT/$GPU_TAG-firstlaunch-warm300ms.csv" 2>&1 | grep -A20 "time_us" | head -20
+          --out "$OUT/$GPU_TAG-firstlaunch-settle-$settle.csv" 2>&1 | grep -A17 "time_us" | cut -c1-20,80-140
+      done
       kill $smi
       ;;
     hostcost)

@@ -38,6 +38,18 @@ def test_config_names_every_option_that_changes_the_rows():
     assert B.bench_config(**OPTS) == base  # deterministic (stored in every row, compared as text)
 
 
+def test_config_names_how_each_shape_settles(monkeypatch):
+    """cpa.bench.SETTLE (how a shape's first timing settles) changes the times, so it is in the
+    config; a value that is none of SETTLES is refused before any GPU work."""
+    base = B.bench_config(**OPTS)
+    assert '"settle": "warmup"' in base
+    monkeypatch.setattr(B, "SETTLE", "none")
+    assert B.bench_config(**OPTS) != base
+    monkeypatch.setattr(B, "SETTLE", "later")
+    with pytest.raises(ValueError, match="SETTLE"):
+        B.run(batches=[1], contexts=[512], out_csv=None)
+
+
 def test_resume_state_lists_the_finished_shapes(tmp_path):
     cfg = B.bench_config(**OPTS)
     out = tmp_path / "b.csv"
@@ -175,7 +187,13 @@ def test_run_rows_on_a_stand_in_device(monkeypatch, tmp_path):
 
     monkeypatch.setattr(B, "make_sets", sets)
     monkeypatch.setattr(cpa.reference, "paged_attention", lambda **kw: kw["query"])
-    monkeypatch.setattr(cpa.timing, "time_graph", lambda fns, replays: cpa.timing.Timing(10.0, 9.0, 11.0, 5))
+    warmups = []
+
+    def time_graph(fns, replays, warmup_us=None):
+        warmups.append(warmup_us)
+        return cpa.timing.Timing(10.0, 9.0, 11.0, 5)
+
+    monkeypatch.setattr(cpa.timing, "time_graph", time_graph)
     monkeypatch.setattr(B, "_sdpa_row", lambda sets, ctx, base, *a: dict(base, tiling="sdpa_cudnn", partition_size=0,
                                                                          time_us=12.0, verified=True))
     asked = []
@@ -226,6 +244,9 @@ def test_run_rows_on_a_stand_in_device(monkeypatch, tmp_path):
     assert good.verified.astype(bool).all() and (good.max_rel_err == 0).all()
     assert on_disk.verified.astype(bool).tolist() == df.verified.astype(bool).tolist()
     assert sum(a["partition_size"] is None for a in asked) == 4 * 2  # the default path: 2 sets per shape
+    # each shape's first timing settles (B.SETTLE "warmup"), the others warm up as usual
+    assert warmups.count(cpa.timing.SETTLE_US) == 4 and warmups.count(None) == len(warmups) - 4
+    assert warmups[0] == cpa.timing.SETTLE_US
     assert len(B.default_path(df)) == 4
 
 
