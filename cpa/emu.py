@@ -47,6 +47,10 @@ UNEMULATED = {"CPA_KV_ASYNC": "the staged / ring main loops (cp.async, TMA) are 
               "CPA_LOAD_ONLY": "a load-only build computes nothing to check"}
 
 
+# how the emulated workgroups of a concurrent launch take turns (wave_emu.h's Baton)
+TURNS = ("random", "until_blocked")
+
+
 def check_flags(flags) -> tuple:
     """A knob build's -DNAME[=VALUE] flags as a tuple, refused before any compile where the
     emulator cannot run that build (UNEMULATED, set to anything but 0)."""
@@ -84,11 +88,11 @@ class EmuKernel:
         L.cpa_emu_error.restype = ctypes.c_char_p
         L.cpa_emu_wave_ops.restype = i64
         L.cpa_emu_attention.restype = i32
-        L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, vp]
+        L.cpa_emu_attention.argtypes = [vp] * 10 + [i32] * 5 + [i64, i64, f32, f32, i32, vp, i32, vp]
         L.cpa_emu_reduce.restype = i32
         L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 4
         L.cpa_emu_set_schedule.restype = None
-        L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong]
+        L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong, i32]
         L.cpa_emu_switches.restype = i64
         if L.cpa_variant().decode() != self.variant.name:
             raise RuntimeError(f"{self.path} holds {L.cpa_variant().decode()}, not {self.variant.name}")
@@ -145,7 +149,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     tiling: str, alibi_slopes=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
                     check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
-                    shared_steps: bool = False, flags=(), workgroups_at_once: int = 1, schedule_seed: int = 0):
+                    shared_steps: bool = False, cluster_reduce: bool = False, flags=(), workgroups_at_once: int = 1,
+                    schedule_seed: int = 0, turns: str = "random"):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
@@ -158,10 +163,18 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     workgroup of a sequence takes every shared-steps ticket its waves reach, and the last
     partition is the last to arrive at the fused reduce's count); more dispatches them in an order
     shuffled by ``schedule_seed`` to that many host threads taking turns after every wave-wide
-    operation (wave_emu.h), so that workgroups sharing a counter interleave."""
+    operation (wave_emu.h), so that workgroups sharing a counter interleave; ``turns="until_blocked"``
+    lets the running workgroup go on until it waits at a cluster barrier or ends instead (one that
+    runs ahead of the rest of its cluster).
+    ``cluster_reduce`` (``platform="cuda"``): the partitions of each (sequence, KV head) run as one
+    thread-block cluster and combine through distributed shared memory (the sm_90 launch of
+    ``cpa.paged_attention(cluster_reduce=True)``); a cluster's workgroups run at once, so
+    ``workgroups_at_once`` is rounded up to whole clusters."""
     flags = check_flags(flags)
     if not (isinstance(workgroups_at_once, int) and 1 <= workgroups_at_once <= 64):
         raise ValueError(f"workgroups_at_once must be an int in 1..64, got {workgroups_at_once!r}")
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
@@ -178,30 +191,41 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     if shared_steps:
         why = why or shared_steps_refusal(variant, return_intermediates=return_intermediates,
                                           fused_reduce=fused_reduce)
+    parts = -(-shape.max_seq_len // partition_size)
+    if cluster_reduce and why is None:
+        why = (f"thread-block clusters are CUDA's (sm_90+), not {platform}'s" if platform != "cuda"
+               else V.cluster_unsupported("sm_90", parts))
+        why = why or ("fused_reduce=True is the other in-kernel combine" if fused_reduce else None)
+        why = why or ("shared steps are not combined with the cluster combine" if shared_steps else None)
+        why = why or ("return_intermediates=True needs the partials in global memory, which the cluster combine "
+                      "never writes" if return_intermediates else None)
+        why = why and f"cluster_reduce=True: {why}"
     if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
         why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"
     if why:
         raise ValueError(why)
     k = build(variant, flags)
     S, H, D = shape.num_seqs, shape.num_heads, shape.head_size
-    parts = -(-shape.max_seq_len // partition_size)
+    cluster = parts if cluster_reduce else 0
     nan = float("nan")
     out = torch.full_like(query, nan)
     exp_sums = torch.full((S, H, parts), nan, dtype=torch.float32)
     max_logits = torch.full_like(exp_sums, nan)
-    tmp_out = torch.full((S, H, parts, D), nan, dtype=torch.float32) if parts > 1 or return_intermediates else None
+    # (as ops.prepare: the cluster combine keeps its partials in shared memory, none in global)
+    tmp_out = torch.full((S, H, parts, D), nan, dtype=torch.float32) \
+        if (parts > 1 and not cluster) or return_intermediates else None
     scale_log2, out_scale, block_stride, head_stride = kernel_scalars(shape, scale, k_scale, v_scale,
                                                                       key_cache.element_size())
     fused = fused_reduce and parts > 1
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
     steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32) if shared_steps else None
     tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
-    k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed)
+    k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"))
     k.check(k.lib.cpa_emu_attention(
         _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
         S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, block_stride, head_stride,
-        scale_log2, out_scale, int(parts == 1), _ptr(counters), _ptr(steal)), "attention kernel")
-    if parts > 1 and not fused:
+        scale_log2, out_scale, int(parts == 1), _ptr(counters), cluster, _ptr(steal)), "attention kernel")
+    if parts > 1 and not fused and not cluster:
         k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(seq_lens),
                                      S, H, parts, shape.max_blocks_per_seq), "reduce kernel")
     if fused and int(counters.abs().sum()) != 0:

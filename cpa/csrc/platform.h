@@ -337,7 +337,8 @@ CPA_DEVICE void wait_prior_grid() {
 // cluster, combine their partial results through distributed shared memory instead of a
 // second kernel. Only reached when the launch set a cluster (the host checks the device);
 // elsewhere these compile to nothing.
-#if CPA_CUDA && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// (The wave emulator's CUDA side runs them: its clusters' workgroups run at once, emu/wave_emu.h.)
+#if CPA_CUDA && ((defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || defined(CPA_EMU))
 #define CPA_CLUSTER_CODE 1
 #else
 #define CPA_CLUSTER_CODE 0
@@ -345,12 +346,16 @@ CPA_DEVICE void wait_prior_grid() {
 // Every thread of every workgroup of the cluster: release this workgroup's shared-memory
 // writes, acquire the others'.
 CPA_DEVICE void cluster_sync() {
-#if CPA_CLUSTER_CODE
+#if CPA_CLUSTER_CODE && defined(CPA_EMU)
+  ::cpa_emu::arrive(::cpa_emu::kClusterBarrier);
+#elif CPA_CLUSTER_CODE
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
 }
 CPA_DEVICE int cluster_rank() {
-#if CPA_CLUSTER_CODE
+#if CPA_CLUSTER_CODE && defined(CPA_EMU)
+  return ::cpa_emu::group().cluster_rank;
+#elif CPA_CLUSTER_CODE
   unsigned r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return (int)r;
@@ -358,7 +363,7 @@ CPA_DEVICE int cluster_rank() {
   return 0;
 #endif
 }
-#if CPA_CLUSTER_CODE
+#if CPA_CLUSTER_CODE && !defined(CPA_EMU)
 // The shared::cluster address of `p` (this workgroup's shared memory) in workgroup `rank`.
 CPA_DEVICE unsigned cluster_addr(const float* p, int rank) {
   unsigned r;
@@ -368,7 +373,9 @@ CPA_DEVICE unsigned cluster_addr(const float* p, int rank) {
 #endif
 // The word / 16 bytes at `p` (this workgroup's shared memory) in workgroup `rank` of the cluster.
 CPA_DEVICE float ld_cluster_f32(const float* p, int rank) {
-#if CPA_CLUSTER_CODE
+#if CPA_CLUSTER_CODE && defined(CPA_EMU)
+  return *::cpa_emu::cluster_ptr(p, rank);
+#elif CPA_CLUSTER_CODE
   float x;
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(cluster_addr(p, rank)) : "memory");
   return x;
@@ -377,7 +384,9 @@ CPA_DEVICE float ld_cluster_f32(const float* p, int rank) {
 #endif
 }
 CPA_DEVICE u32x4 ld_cluster16(const float* p, int rank) {
-#if CPA_CLUSTER_CODE
+#if CPA_CLUSTER_CODE && defined(CPA_EMU)
+  return lds16(::cpa_emu::cluster_ptr(p, rank));
+#elif CPA_CLUSTER_CODE
   u32x4 v;
   asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(cluster_addr(p, rank)) : "memory");

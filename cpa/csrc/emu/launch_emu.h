@@ -9,8 +9,8 @@
 namespace cpa_emu {
 
 template <class Kernel, class Params>
-int walk_grid(Kernel kernel, int gx, int gy, int gz, int threads, const Params& p) {
-  if (!run_grid(gx, gy, gz, threads, [&] { kernel(p); })) {
+int walk_grid(Kernel kernel, int gx, int gy, int gz, int threads, const Params& p, int cluster = 0) {
+  if (!run_grid(gx, gy, gz, threads, [&] { kernel(p); }, cluster)) {
     last_error() += " (grid " + std::to_string(gx) + " x " + std::to_string(gy) + " x " + std::to_string(gz) + ")";
     return 1;
   }
@@ -23,8 +23,13 @@ int walk_grid(Kernel kernel, int gx, int gy, int gz, int threads, const Params& 
 template <class Cfg>
 int attention(const cpa::AttnParams& p, int num_seqs, int num_kv_heads) {
   if (p.cluster > 1) {
-    last_error() = "the emulator does not run the cluster combine";
+#if CPA_CUDA
+    return walk_grid(cpa::paged_attention_kernel<Cfg>, num_seqs, p.max_num_partitions, num_kv_heads, Cfg::THREADS,
+                     p, p.cluster);
+#else
+    last_error() = "thread-block clusters are CUDA's (sm_90+)";
     return 2;
+#endif
   }
   if (p.steal)
     return walk_grid(cpa::paged_attention_kernel<Cfg, true>, num_seqs, p.max_num_partitions, num_kv_heads,
@@ -52,9 +57,10 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
   extern "C" const char* cpa_variant() { return NAME; }                                           \
   extern "C" const char* cpa_emu_error() { return cpa_emu::last_error().c_str(); }                \
   extern "C" long long cpa_emu_wave_ops() { return cpa_emu::group().wave_ops; }                   \
-  extern "C" void cpa_emu_set_schedule(int workers, unsigned long long seed) {                     \
+  extern "C" void cpa_emu_set_schedule(int workers, unsigned long long seed, int until_blocked) {  \
     cpa_emu::schedule().workers = workers;                                                         \
     cpa_emu::schedule().seed = seed;                                                               \
+    cpa_emu::schedule().until_blocked = until_blocked != 0;                                        \
     cpa_emu::schedule().switches = 0;                                                              \
   }                                                                                                \
   extern "C" long long cpa_emu_switches() { return cpa_emu::schedule().switches; }               \
@@ -65,12 +71,12 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
                                    int max_blocks_per_seq, int max_num_partitions,                 \
                                    long long kv_block_stride, long long kv_head_stride,           \
                                    float scale_log2, float out_scale, int out_direct, int* counters, \
-                                   int* steal) {                                                   \
+                                   int cluster, int* steal) {                                      \
     cpa::AttnParams p{out, exp_sums, max_logits, tmp_out, (const uint16_t*)query,                 \
                       (const uint8_t*)key_cache, (const uint8_t*)value_cache, block_tables,      \
                       seq_lens, alibi, num_heads, num_heads / num_kv_heads, max_blocks_per_seq,   \
                       max_num_partitions, kv_block_stride, kv_head_stride, scale_log2, out_scale,\
-                      out_direct, counters, num_kv_heads, 0, steal,                              \
+                      out_direct, counters, num_kv_heads, cluster, steal,                        \
                       cpa::launch_tokens(max_num_partitions, CpaCfg::partition_size,              \
                                          max_blocks_per_seq, CpaCfg::block_size)};                \
     return cpa_emu::attention<CpaCfg>(p, num_seqs, num_kv_heads);                                  \

@@ -26,7 +26,8 @@
 // workgroups are dispatched in a seeded random order to `workers` host threads that take turns
 // (one runs at a time, so memory stays sequentially consistent): after every scheduling round of
 // the running workgroup (a wave-wide operation or a barrier computed) a seeded random pick among
-// the live workgroups runs next. That interleaves the workgroups that share counters (the
+// the live workgroups runs next (or, turns "until_blocked", the running one goes on until it
+// waits at a cluster barrier or ends: a workgroup that runs ahead of its cluster). That interleaves the workgroups that share counters (the
 // shared steps' tickets, the fused reduce's last-arriver count) at wave-operation granularity; it
 // is not a memory-model test (no reordering, no stale reads). `__shared__` is a function-local
 // static, thread_local: one emulated workgroup at a time per host thread.
@@ -57,7 +58,9 @@
 namespace cpa_emu {
 
 constexpr int kLanes = CPA_WAVE;  // 64 (HIP) or 32 (CUDA)
-enum Op : int { kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4, kMma16816, kMma1688, kMovmatrix };
+enum Op : int {
+  kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4, kMma16816, kMma1688, kMovmatrix, kClusterBarrier
+};
 
 struct Lane {
   ucontext_t ctx;
@@ -70,10 +73,13 @@ struct Lane {
 };
 
 struct Baton;
+struct Cluster;
 
 struct Group {
   Baton* baton = nullptr;  // concurrent workgroups: the turn to hand on after each round
   int worker = 0;
+  Cluster* cluster = nullptr;  // a cluster launch: this workgroup's cluster and its rank in it
+  int cluster_rank = 0;
   int threads = 0, cur = 0;
   int block[3] = {0, 0, 0};
   std::vector<Lane> lanes;
@@ -99,17 +105,22 @@ inline std::string& last_error() {
 struct Baton {
   std::mutex m;
   std::condition_variable cv;
-  std::vector<char> live;
+  std::vector<char> live, blocked;  // blocked: waiting at a cluster barrier
   std::mt19937_64 rng;
   int turn = 0;
-  bool abort = false;
+  bool abort = false, deadlock = false;
+  bool keep = false;  // turns "until_blocked": the running workgroup keeps the turn until it waits
   long long switches = 0;  // turns handed to another workgroup's thread
-  Baton(int workers, uint64_t seed) : live(workers, 1), rng(seed) {}
+  Baton(int workers, uint64_t seed, bool keep) : live(workers, 1), blocked(workers, 0), rng(seed), keep(keep) {}
   void wait(std::unique_lock<std::mutex>& lk, int me) { cv.wait(lk, [&] { return turn == me; }); }
   void pick(int me) {  // (under m) a random live worker, or -1 when none is left
-    int n = 0;
-    for (char c : live) n += c;
+    int n = 0, waiting = 0;
+    for (size_t w = 0; w < live.size(); ++w) {
+      n += live[w];
+      waiting += live[w] && blocked[w];
+    }
     if (!n) { turn = -1; return; }
+    if (waiting == n) abort = deadlock = true;  // every live workgroup waits for one that never comes
     int k = (int)(rng() % (uint64_t)n);
     for (int w = 0; w < (int)live.size(); ++w)
       if (live[w] && k-- == 0) { switches += w != me; turn = w; break; }
@@ -119,6 +130,7 @@ struct Baton {
   // hand the turn on and wait for it back; false when another thread failed (stop)
   bool pass(int me) {
     std::unique_lock<std::mutex> lk(m);
+    if (keep && !blocked[me]) return !abort;
     pick(me);
     wait(lk, me);
     return !abort;
@@ -134,12 +146,39 @@ struct Baton {
 struct Schedule {
   int workers = 1;
   uint64_t seed = 0;
+  bool until_blocked = false;  // the turns: a random pick after every round, or kept until a wait
   long long switches = 0;  // of the concurrent launches since set_schedule
 };
 // (per calling thread, as the emulator's other state)
 inline Schedule& schedule() {
   static thread_local Schedule s;
   return s;
+}
+
+// A thread-block cluster of the emulated launch (the CUDA side's cluster combine): its arrivals
+// at the current cluster barrier, the barrier's generation, and each rank's host thread (where its
+// `__shared__` variables live) and worker.
+struct Cluster {
+  int n = 0, arrived = 0, gen = 0;
+  std::vector<const char*> tls;
+  std::vector<int> workers;
+};
+// An address in this host thread's thread-local storage. The `__shared__` variables are
+// thread_local statics of one module, whose TLS block each thread holds whole, so the same
+// variable of another thread is at the same offset from that thread's anchor.
+inline const char* tls_anchor() {
+  static thread_local char a;
+  return &a;
+}
+// `p` (this workgroup's shared memory) in workgroup `rank` of its cluster (ld.shared::cluster).
+template <class T>
+inline const T* cluster_ptr(const T* p, int rank) {
+  Group& g = group();
+  if (!g.cluster || rank < 0 || rank >= g.cluster->n || !g.cluster->tls[rank]) {
+    if (g.error.empty()) g.error = "a distributed shared memory load of rank " + std::to_string(rank) + " outside the cluster";
+    return p;
+  }
+  return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (g.cluster->tls[rank] - tls_anchor()));
 }
 
 inline void arrive(int op) {
@@ -242,14 +281,43 @@ inline void wave_op(Group& g, int w, int op) {
 
 inline const char* op_name(int op) {
   static const char* names[] = {"running", "done", "barrier", "wave barrier", kLanes == 64 ? "ds_bpermute" : "shfl.sync",
-                                "mfma 16x16x16", "mfma 4x4x4", "mma.m16n8k16", "mma.m16n8k8", "movmatrix"};
+                                "mfma 16x16x16", "mfma 4x4x4", "mma.m16n8k16", "mma.m16n8k8", "movmatrix",
+                                "cluster barrier"};
   return names[op];
+}
+
+// Every thread of this workgroup is at a cluster barrier: count the workgroup in, and hand the
+// turn on until every workgroup of the cluster has (false: a deadlock or another failure).
+inline bool cluster_wait(Group& g) {
+  Cluster* c = g.cluster;
+  if (!c || !g.baton) {
+    last_error() = "a cluster barrier outside a cluster launch";
+    return false;
+  }
+  c->tls[g.cluster_rank] = tls_anchor();
+  c->workers[g.cluster_rank] = g.worker;
+  const int gen = c->gen;
+  if (++c->arrived == c->n) {
+    c->arrived = 0;
+    ++c->gen;
+    for (int w : c->workers) g.baton->blocked[w] = 0;
+    return true;
+  }
+  g.baton->blocked[g.worker] = 1;
+  while (c->gen == gen)
+    if (!g.baton->pass(g.worker)) {
+      last_error() = g.baton->deadlock ? "deadlock: workgroups wait at cluster barriers no other member reaches"
+                                       : "stopped: another workgroup failed";
+      return false;
+    }
+  return true;
 }
 
 // Run one workgroup of `threads` (a multiple of kLanes) to completion; false with last_error() set
 // on a divergent collective or a deadlock.
 inline bool run_group(int threads, int bx, int by, int bz, std::function<void()> body, int stack_bytes = 1 << 17) {
   Group& g = group();
+  g.error.clear();
   g.threads = threads;
   g.block[0] = bx; g.block[1] = by; g.block[2] = bz;
   g.body = std::move(body);
@@ -273,6 +341,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       swapcontext(&g.sched, &g.lanes[t].ctx);
     }
     bool any_live = false, progressed = false, all_at_barrier = true;
+    int barrier_op = -1;  // kBarrier or kClusterBarrier: every thread of the workgroup must wait at one kind
     for (int w = 0; w < waves; ++w) {
       Lane* L = g.lanes.data() + w * kLanes;
       int op = -1, live = 0;
@@ -290,7 +359,15 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       }
       if (!live) continue;
       any_live = true;
-      if (op == kBarrier) continue;
+      if (op == kBarrier || op == kClusterBarrier) {
+        if (barrier_op >= 0 && barrier_op != op) {
+          last_error() = "threads of workgroup (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
+                         std::to_string(bz) + ") wait at a barrier and at a cluster barrier";
+          return false;
+        }
+        barrier_op = op;
+        continue;
+      }
       all_at_barrier = false;
       if (live != kLanes && op != kWaveBarrier) {
         last_error() = std::string(op_name(op)) + " with " + std::to_string(kLanes - live) +
@@ -303,9 +380,14 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       progressed = true;
     }
     if (!any_live) return true;
+    if (!g.error.empty()) {
+      last_error() = g.error;
+      return false;
+    }
     if (all_at_barrier) {
+      if (barrier_op == kClusterBarrier && !cluster_wait(g)) return false;
       for (int t = 0; t < threads; ++t)
-        if (g.lanes[t].op == kBarrier) g.lanes[t].op = kRun;
+        if (g.lanes[t].op == kBarrier || g.lanes[t].op == kClusterBarrier) g.lanes[t].op = kRun;
       ++g.barriers;
       progressed = true;
     }
@@ -322,24 +404,40 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
 
 // Every workgroup of a gx x gy x gz grid through run_group: one after another in grid order, or
 // (schedule().workers > 1) in a seeded random order on that many host threads taking turns.
+// cluster > 1 (= gy): each (x, z) is one thread-block cluster of gy workgroups, rank y; a
+// cluster's workgroups run at once, as the hardware guarantees (whole clusters are dispatched
+// in a seeded random order, workers rounded up to whole clusters).
 template <class Body>
-inline bool run_grid(int gx, int gy, int gz, int threads, Body body) {
+inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster = 0) {
   const Schedule sch = schedule();
-  if (sch.workers <= 1) {
+  if (cluster > 1 && cluster != gy) {
+    last_error() = "a cluster must span the grid's y dimension (the partitions)";
+    return false;
+  }
+  if (sch.workers <= 1 && cluster <= 1) {
     for (int z = 0; z < gz; ++z)
       for (int y = 0; y < gy; ++y)
         for (int x = 0; x < gx; ++x)
           if (!run_group(threads, x, y, z, body)) return false;
     return true;
   }
+  // the dispatch units: single workgroups, or clusters (x, z) of n = gy ranks
+  const int n = cluster > 1 ? cluster : 1;
   std::vector<std::array<int, 3>> order;
   for (int z = 0; z < gz; ++z)
-    for (int y = 0; y < gy; ++y)
+    for (int y = 0; y < (n > 1 ? 1 : gy); ++y)
       for (int x = 0; x < gx; ++x) order.push_back({x, y, z});
   std::mt19937_64 rng(sch.seed);
   std::shuffle(order.begin(), order.end(), rng);
-  const int workers = std::min<int>(sch.workers, (int)order.size());
-  Baton baton(workers, rng());
+  const int slots = std::max(1, std::min<int>((sch.workers + n - 1) / n, (int)order.size()));
+  const int workers = slots * n;
+  std::vector<Cluster> clusters(n > 1 ? order.size() : 0);
+  for (Cluster& c : clusters) {
+    c.n = n;
+    c.tls.assign(n, nullptr);
+    c.workers.assign(n, 0);
+  }
+  Baton baton(workers, rng(), sch.until_blocked);
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   std::string error;
   long long ops = 0;
@@ -351,10 +449,20 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body) {
       g.baton = &baton;
       g.worker = w;
       bool ok = true;
-      while (ok && !baton.abort && next < order.size()) {
-        const std::array<int, 3> b = order[next++];
-        ok = run_group(threads, b[0], b[1], b[2], body);
-        if (!ok && error.empty()) error = last_error();
+      if (n == 1) {
+        while (ok && !baton.abort && next < order.size()) {
+          const std::array<int, 3> b = order[next++];
+          ok = run_group(threads, b[0], b[1], b[2], body);
+          if (!ok && error.empty()) error = last_error();
+        }
+      } else {  // slot w / n runs rank w % n of every slots-th cluster
+        for (size_t u = w / n; ok && !baton.abort && u < order.size(); u += slots) {
+          g.cluster = &clusters[u];
+          g.cluster_rank = w % n;
+          ok = run_group(threads, order[u][0], w % n, order[u][2], body);
+          if (!ok && error.empty()) error = last_error();
+        }
+        g.cluster = nullptr;
       }
       ops += g.wave_ops;
       g.baton = nullptr;
