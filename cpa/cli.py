@@ -653,7 +653,7 @@ def emu_check(
                                              "writes it on gfx94x; the hip default) or e4m3fn (OCP: gfx950, "
                                              "NVIDIA; the cuda default and only choice)."),
     platform: str = typer.Option("hip", help="hip (the AMD code path, wave64 + MFMA) or cuda (the NVIDIA one, "
-                                 "warp32 + mma.sync; not its staged loops, clusters or PDL)."),
+                                 "warp32 + mma.sync; not its staged loops or PDL)."),
     flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions of the build, e.g. "
                                         "'-DCPA_K_WHOLE_LINES=0' (not -DCPA_KV_ASYNC / -DCPA_LOAD_ONLY)."),
     shared_steps: bool = typer.Option(False, help="the shared-steps kernel (the workgroups of a sequence take "
@@ -662,6 +662,10 @@ def emu_check(
                                            "dispatched in a seeded random order to that many host threads "
                                            "taking turns after every wave-wide operation (1-64)."),
     schedule_seed: int = typer.Option(0, help="the seed of that order and of the turns."),
+    turns: str = typer.Option("random", help="random (a random pick after every wave-wide operation) or "
+                              "until_blocked (a workgroup runs until it waits at a cluster barrier or ends)."),
+    cluster: bool = typer.Option(False, help="the sm_90 cluster combine (--platform cuda; 2-16 partitions): a "
+                                 "cluster's workgroups run at once."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an
@@ -683,6 +687,8 @@ def emu_check(
         raise typer.BadParameter(f"{platform!r}: one of {', '.join(V.PLATFORMS)}", param_hint="--platform")
     if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
+    if turns not in emu.TURNS:
+        raise typer.BadParameter(f"{turns!r}: one of {', '.join(emu.TURNS)}", param_hint="--turns")
     if not 1 <= workgroups_at_once <= 64:
         raise typer.BadParameter(f"{workgroups_at_once}: 1 to 64", param_hint="--workgroups-at-once")
     try:
@@ -698,7 +704,7 @@ def emu_check(
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
                               fp8_format=fp8_format, platform=platform, flags=knob_flags,
                               shared_steps=shared_steps, workgroups_at_once=workgroups_at_once,
-                              schedule_seed=schedule_seed)
+                              schedule_seed=schedule_seed, turns=turns, cluster_reduce=cluster)
             except ValueError as e:
                 typer.echo(f"{tiling}-p{p}: not a {platform} variant ({e})")
                 continue

@@ -13,7 +13,8 @@ it says nothing about MI300 timing, ISA scheduling or the memory model.
 A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, the shuffles,
 ``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
 NVIDIA tilings' lane mappings are checked on a machine without a GPU too (the sm_89+ hardware
-fp8 decode is emulated as well); cache hints, the staged loops, clusters and PDL are not.
+fp8 decode is emulated as well, and the sm_90 cluster combine: ``cluster_reduce=True``); cache
+hints, the staged loops and PDL are not.
 
 ``paged_attention(...)`` takes CPU tensors and the same arguments as ``cpa.paged_attention``
 (validated by the same function), with an explicit ``partition_size`` and ``tiling``. Slow
@@ -241,14 +242,16 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
           head_size: int = 128, block_size: int = 16, gqa: int | None = None, seq_lens=(1, 17, 300, 1000),
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
           fp8_format: str | None = None, platform: str = "hip", flags=(), shared_steps: bool = False,
-          workgroups_at_once: int = 1, schedule_seed: int = 0) -> dict:
+          workgroups_at_once: int = 1, schedule_seed: int = 0, turns: str = "random",
+          cluster_reduce: bool = False) -> dict:
     """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
     combination that is not a variant of ``platform``. An fp8 cache is in ``fp8_format`` (on
     AMD by default MI300's e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950; NVIDIA
-    reads e4m3fn only). ``shared_steps``, ``workgroups_at_once``, ``schedule_seed``: as for
-    paged_attention (the row's ``switches``: turns handed between workgroups)."""
+    reads e4m3fn only). ``shared_steps``, ``cluster_reduce``, ``workgroups_at_once``,
+    ``schedule_seed``, ``turns``: as for paged_attention (the row's ``switches``: turns handed
+    between workgroups)."""
     import time
 
     from . import reference
@@ -268,7 +271,8 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
     ops0, t0 = k.wave_ops, time.perf_counter()
     out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce,
                           platform=platform, flags=flags, shared_steps=shared_steps,
-                          workgroups_at_once=workgroups_at_once, schedule_seed=schedule_seed)
+                          workgroups_at_once=workgroups_at_once, schedule_seed=schedule_seed, turns=turns,
+                          cluster_reduce=cluster_reduce)
     secs = time.perf_counter() - t0
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,

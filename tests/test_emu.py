@@ -10,8 +10,8 @@ head 128, block 16 (GQA 8; AMD's mfma4, its small-GQA tiling, at GQA 4); head 64
 block 32, GQA 1 / 4 / 16, ALiBi and the fused reduce at partition 256; the longest partitions
 for mfma16. Each case runs one batch of the edge lengths {1, 17, P-1, P, P+1, 3P+7} with 2 KV
 heads, outputs and intermediates NaN-poisoned. The CUDA side runs its default build without
-the PTX-only paths it cannot emulate (cache hints, staged loops, clusters, PDL), which
-the GPU tests cover.
+the PTX-only paths it cannot emulate (cache hints, staged loops, PDL), which the GPU tests
+cover; its cluster combine runs in test_cluster_combine_in_the_emulator.
 """
 
 from __future__ import annotations
@@ -344,6 +344,51 @@ def test_concurrent_workgroups_in_the_emulator(platform, tiling):
         emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, workgroups_at_once=0)
 
 
+CLUSTER = [("mfma16", 256, (1, 17, 255, 256, 257, 700)), ("mfma4", 512, (5, 600, 1800, 3000)),
+           ("scalar", 256, (40, 2100, 4000))]
+
+
+@pytest.mark.parametrize("tiling,P,lens", CLUSTER, ids=[c[0] for c in CLUSTER])
+def test_cluster_combine_in_the_emulator(tiling, P, lens):
+    """The sm_90 cluster combine (cluster_reduce=True: each (sequence, KV head)'s partitions are
+    one thread-block cluster, combined through distributed shared memory) on the CUDA side of
+    the emulator: a cluster's workgroups run at once, cluster barriers wait for all of them, and
+    `ld.shared::cluster` reads the other rank's `__shared__` copy. Cluster sizes 3, 6 and 16
+    cover every lane grouping of cluster_combine (1, 2 and 4 lanes per output); the empty
+    partitions of short sequences take part. Whole clusters dispatched at random with turns
+    after every wave-wide operation, and with turns kept until a workgroup waits (so a rank
+    runs ahead of the rest: dropping cluster_combine's trailing cluster_sync fails there,
+    checked by mutation 2026-12-06, error 1.2-5.7)."""
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=P + len(lens),
+                            alibi=tiling == "scalar")
+    kw = inp.as_kwargs()
+    ref = reference.paged_attention(**kw)
+    n = -(-max(lens) // P)
+    assert n in (3, 6, 16) and V.cluster_unsupported("sm_90", n) is None
+    for wg, turns in ((1, "random"), (3 * n, "random"), (2 * n, "until_blocked")):
+        out = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform="cuda", cluster_reduce=True,
+                                  workgroups_at_once=wg, schedule_seed=wg, turns=turns)
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= reference.REL_ERR_TOL[torch.float16], f"{wg} at once, {turns}: relative error {err:.3g}"
+
+
+def test_emulator_refuses_clusters_it_cannot_form():
+    from cpa.inputs import make_paged_inputs
+
+    kw = make_paged_inputs(1, 8, 1, 128, 16, [3000], dtype=torch.float16).as_kwargs()
+    for extra, match in ((dict(platform="hip"), "CUDA's"), (dict(partition_size=128), "at most 16"),
+                         (dict(fused_reduce=True), "other in-kernel combine"),
+                         (dict(return_intermediates=True), "never writes"), (dict(turns="fifo"), "turns")):
+        args = {**dict(partition_size=256, tiling="mfma16", platform="cuda", cluster_reduce=True), **extra}
+        with pytest.raises(ValueError, match=match):
+            emu.paged_attention(**kw, **args)
+    one = make_paged_inputs(1, 8, 1, 128, 16, [200], dtype=torch.float16).as_kwargs()
+    with pytest.raises(ValueError, match="nothing to combine"):
+        emu.paged_attention(**one, partition_size=256, tiling="mfma16", platform="cuda", cluster_reduce=True)
+
+
 KNOBS = [("cuda", "-DCPA_K_WHOLE_LINES=0"), ("cuda", "-DCPA_V_AFTER_QK=1"), ("cuda", "-DCPA_BT_PREFETCH=0"),
          ("cuda", "-DCPA_FP8_F16_MMA=0"), ("cuda", "-DCPA_REDUCE_FEW_ALWAYS=1"), ("cuda", "-DCPA_FP8_CVT=0"),
          ("hip", "-DCPA_BT_PREFETCH=1"),
@@ -418,6 +463,13 @@ def test_cli_runs_variants_through_the_emulator():
         "mfma16-p512-h128-b16-fp16-kvauto-g8-cuda"]
     res = CliRunner().invoke(app, ["emu", "--workgroups-at-once", "0"])
     assert res.exit_code == 2 and "1 to 64" in res.output
+    res = CliRunner().invoke(app, ["emu", "--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000",
+                                   "--cluster", "--turns", "until_blocked"])
+    assert res.exit_code == 0, res.output
+    assert [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")] == [
+        "mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
+    res = CliRunner().invoke(app, ["emu", "--turns", "fifo"])
+    assert res.exit_code == 2 and "until_blocked" in res.output
 
 
 def test_two_threads_emulate_at_once():

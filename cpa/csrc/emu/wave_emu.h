@@ -7,8 +7,9 @@
 //  * the CUDA side (-DCPA_EMU_CUDA): warp32, __shfl_*_sync, mma.sync.m16n8k16 / m16n8k8 and
 //    movmatrix.m8n8.trans with the fragment layouts the PTX ISA documents, __syncthreads and
 //    __syncwarp, and the sm_89+ hardware fp8 decode (cvt.rn.f16x2.e4m3x2) with __byte_perm --
-//    so that an index change in the NVIDIA tilings fails on the CPU before a GPU sees it. Not
-//    emulated: cache hints, cp.async / TMA (staged loops), clusters, PDL.
+//    so that an index change in the NVIDIA tilings fails on the CPU before a GPU sees it; and
+//    thread-block clusters (barrier.cluster, ld.shared::cluster: run_grid's cluster launches).
+//    Not emulated: cache hints, cp.async / TMA (staged loops), PDL.
 // It checks lane mappings and control flow, not timing, ISA or the memory model: every lane is a
 // fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
 // shuffle, a wave barrier) or a workgroup barrier; when every live lane of a wave is waiting
