@@ -42,11 +42,10 @@ def _quantiles(xs: Sequence[float]) -> tuple[float, float, float]:
 MIN_CALLS = 8
 SHORT_PASS_US = 500.0
 # Warm-up before the timed replays: at least `warmup` replays and at least WARMUP_US of them.
-# Three replays of a short shape (~2 ms at 1 x 16k) left the first launch timed after a shape's
-# set-up about 1-2% slow (the repeated default-path rows of the shipped tables show it: 0.978-
-# 0.990 where the named copy was timed first, 0.9995 elsewhere). The 20 ms did not cure that
-# (H100, d7eccc2: 0.988 / 0.984 at the same two shapes; the cause is open), but it costs little
-# and keeps a short shape's timed replays from starting cold.
+# Three replays of a short shape (~2 ms at 1 x 16k) were too few to start the timed replays warm;
+# 20 ms costs little. (The default_path rows' 1-1.6% lead over the same launch named earlier at
+# the shortest target-2 shapes is not a warm-up effect: neither 20 ms nor SETTLE_US moved it;
+# data/bench/README.md.)
 WARMUP_US = 20_000.0
 MAX_WARMUP_REPLAYS = 2000  # (per WARMUP_US: a longer warm-up asked for may run proportionally more)
 # The first timing after a shape's inputs are written: a longer warm-up. On an H100 (e0c001c,
