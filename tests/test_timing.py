@@ -44,3 +44,11 @@ def test_time_graph_runs_each_cycled_call(monkeypatch):
     extra -= 7
     assert rest == 0 and seen == [0, 1] * (len(seen) // 2)
     assert 1 <= extra <= timing.MAX_WARMUP_REPLAYS
+
+    # a longer warm-up asked for (bench's first timing of a shape: SETTLE_US) runs more of them,
+    # its cap scaled with it
+    seen.clear()
+    timing.time_graph([call(0), call(1)], replays=5, warmup=1, use_graph=False, min_calls=4,
+                      warmup_us=4 * 20_000.0)
+    longer = (len(seen) - 4) // 4 - 7
+    assert extra < longer <= 4 * timing.MAX_WARMUP_REPLAYS
