@@ -44,7 +44,8 @@ SHORT_PASS_US = 500.0
 # Warm-up before the timed replays: at least `warmup` replays and at least WARMUP_US of them.
 # Three replays of a short shape (~2 ms at 1 x 16k) were too few to start the timed replays warm;
 # 20 ms costs little. (The default_path rows' 1-1.6% lead over the same launch named earlier at
-# the shortest target-2 shapes is not a warm-up effect: neither 20 ms nor SETTLE_US moved it;
+# the shortest target-2 shapes is not a warm-up effect: neither 20 ms nor SETTLE_US moved it.
+# Identical launches with another allocation history differ by up to 1.5% there: placement;
 # data/bench/README.md.)
 WARMUP_US = 20_000.0
 MAX_WARMUP_REPLAYS = 2000  # (per WARMUP_US: a longer warm-up asked for may run proportionally more)
