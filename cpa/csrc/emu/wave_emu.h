@@ -43,6 +43,7 @@
 #include <array>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -84,7 +85,10 @@ struct Group {
   int threads = 0, cur = 0;
   int block[3] = {0, 0, 0};
   std::vector<Lane> lanes;
-  std::vector<std::vector<char>> stacks;
+  // the lanes' fiber stacks, left uninitialized: pages a lane never touches are never committed
+  // (a concurrent launch holds one set per host thread)
+  std::vector<std::unique_ptr<char[]>> stacks;
+  int stack_bytes = 0;
   ucontext_t sched;
   std::function<void()> body;
   std::string error;
@@ -323,14 +327,17 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
   g.block[0] = bx; g.block[1] = by; g.block[2] = bz;
   g.body = std::move(body);
   if ((int)g.lanes.size() < threads) g.lanes.resize(threads);
-  if ((int)g.stacks.size() < threads) g.stacks.resize(threads);
+  if (g.stack_bytes != stack_bytes) {
+    g.stacks.clear();
+    g.stack_bytes = stack_bytes;
+  }
+  while ((int)g.stacks.size() < threads) g.stacks.emplace_back(new char[stack_bytes]);
   for (int t = 0; t < threads; ++t) {
-    if ((int)g.stacks[t].size() != stack_bytes) g.stacks[t].assign(stack_bytes, 0);
     Lane& l = g.lanes[t];
     l.op = kRun;
     getcontext(&l.ctx);
-    l.ctx.uc_stack.ss_sp = g.stacks[t].data();
-    l.ctx.uc_stack.ss_size = g.stacks[t].size();
+    l.ctx.uc_stack.ss_sp = g.stacks[t].get();
+    l.ctx.uc_stack.ss_size = stack_bytes;
     l.ctx.uc_link = &g.sched;
     makecontext(&l.ctx, lane_main, 0);
   }
