@@ -89,8 +89,10 @@ else:
 # workgroups meet. Run one after another in grid order, the first workgroup of each sequence takes
 # every ticket; with `workgroups_at_once=4` they are dispatched in a seeded random order and take
 # turns after every wave-wide operation, so the tickets spread. Two schedules, both right; the
-# outputs differ in their last bits because other workgroups summed other steps. One workgroup
-# runs at a time: interleavings, not the memory model.
+# outputs differ in their last bits because other workgroups summed other steps. The last rows
+# run NVIDIA's cluster combine the same way (a cluster's workgroups at once; with turns
+# "until_blocked" a rank runs ahead of the rest). One workgroup runs at a time: interleavings,
+# not the memory model.
 
 # %%
 try:
@@ -101,6 +103,10 @@ else:
     rows = [emu.check("mfma16", 512, platform=pf, shared_steps=True, seq_lens=(17, 1600, 4100),
                       workgroups_at_once=n, schedule_seed=seed)
             for pf in ("hip", "cuda") for n, seed in ((1, 0), (4, 1), (4, 2))]
+    # the sm_90 cluster combine (NVIDIA only): a cluster's 9 workgroups run at once
+    rows += [dict(emu.check("mfma16", 256, platform="cuda", cluster_reduce=True, seq_lens=(17, 2100),
+                            workgroups_at_once=9, turns=turns), variant=f"cluster of 9, turns {turns}")
+             for turns in ("random", "until_blocked")]
     display(pd.DataFrame(rows)[["variant", "switches", "wave_ops", "rel_err", "ok"]])
 
 # %% [markdown]
