@@ -602,3 +602,31 @@ def test_lock_removes_a_killed_compactions_temporary_table(tmp_path):
     store.lock()
     store.unlock()
     assert not stale.exists() and other.exists()
+
+
+def test_cuda_runner_settles_each_points_first_timing(monkeypatch):
+    """CudaRunner.time: the first timing of a point warms up for cpa.timing.SETTLE_US (a run's
+    first timing reads up to 1.5% slow after a 20 ms warm-up, data/bench/README.md), every
+    later one -- the same point's other variants and timings -- for the usual warm-up."""
+    import types
+
+    import cpa.timing
+    from cpa import sweep as S
+
+    seen = []
+
+    def time_graph(calls, replays, warmup_us=None):
+        seen.append(warmup_us)
+        return cpa.timing.Timing(10.0, 9.0, 11.0, replays)
+
+    monkeypatch.setattr(cpa.timing, "time_graph", time_graph)
+    launch = types.SimpleNamespace(reduce_args=(), attention=lambda: None, reduce=lambda: None)
+    launch.__call__ = lambda: None
+    runner = S.CudaRunner(replays=3)
+    states = [S.CudaPointState(None, None, None, 0.0, None, 3) for _ in range(2)]
+    for state in states:
+        for _ in range(2):  # two variants of the point
+            row = runner.time(state, S.Built(("cpa", None, [launch])))
+            assert row["time_us"] == 10.0 and row["reduce_time_us"] == 10.0
+    settle = cpa.timing.SETTLE_US
+    assert seen == [settle, None, None, None, None, None] * 2
