@@ -28,10 +28,13 @@
 // (one runs at a time, so memory stays sequentially consistent): after every scheduling round of
 // the running workgroup (a wave-wide operation or a barrier computed) a seeded random pick among
 // the live workgroups runs next (or, turns "until_blocked", the running one goes on until it
-// waits at a cluster barrier or ends: a workgroup that runs ahead of its cluster). That interleaves the workgroups that share counters (the
-// shared steps' tickets, the fused reduce's last-arriver count) at wave-operation granularity; it
-// is not a memory-model test (no reordering, no stale reads). `__shared__` is a function-local
-// static, thread_local: one emulated workgroup at a time per host thread.
+// waits at a cluster barrier or ends: a workgroup that runs ahead of its cluster). That
+// interleaves the workgroups that share counters (the shared steps' tickets, the fused reduce's
+// last-arriver count) at wave-operation granularity; it is not a memory-model test (no
+// reordering, no stale reads). Every access to the schedule's shared state (the next workgroup,
+// the first error) is made by the thread holding the turn, after the baton's mutex handed it on.
+// `__shared__` is a function-local static, thread_local: one emulated workgroup at a time per
+// host thread.
 #pragma once
 
 #include <math.h>
@@ -180,7 +183,8 @@ template <class T>
 inline const T* cluster_ptr(const T* p, int rank) {
   Group& g = group();
   if (!g.cluster || rank < 0 || rank >= g.cluster->n || !g.cluster->tls[rank]) {
-    if (g.error.empty()) g.error = "a distributed shared memory load of rank " + std::to_string(rank) + " outside the cluster";
+    if (g.error.empty())
+      g.error = "a distributed shared memory load of rank " + std::to_string(rank) + " outside the cluster";
     return p;
   }
   return reinterpret_cast<const T*>(reinterpret_cast<const char*>(p) + (g.cluster->tls[rank] - tls_anchor()));
