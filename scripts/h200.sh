@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
-# racecheck-async, hostcost, hostprofile, firstlaunch,
+# racecheck-async, hostcost, hostprofile, firstlaunch, placement,
 # ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern, readpattern-shapes,
 # readpattern-arms.
 set -uo pipefail
@@ -376,6 +376,13 @@ from cpa.cli import app; app(prog_name='cpa')" bench $FL --partition-sizes 512,5
           --out "$OUT/$GPU_TAG-firstlaunch-settle-$settle.csv" 2>&1 | grep -A17 "time_us" | cut -c1-20,80-140
       done
       kill $smi
+      ;;
+    placement)
+      # which buffer's placement moves a short shape's time (scripts/placement.py; notes, "Open"):
+      # the same launch with its partial buffers, or its K/V pool, placed after a random spacer
+      $PY -m cpa prebuild --grid bench --tilings mfma16 --partition-sizes ${CPA_PL_P:-1024} 2>&1 | grep "prebuild:"
+      CPA_COMMAND="python3 scripts/placement.py ${CPA_PL_ARGS:-}" timeout ${CPA_PL_TIMEOUT:-300} $PY scripts/placement.py \
+        --out "$OUT/$GPU_TAG-placement.csv" --partition-size ${CPA_PL_P:-1024} ${CPA_PL_ARGS:-} 2>&1 | tail -30
       ;;
     hostcost)
       # the host's cost per decode call by launch path (cpa.hostcost), on any card: the file is
