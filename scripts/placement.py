@@ -4,8 +4,9 @@ Identical launches timed in runs with another allocation history differed by up 
 shortest target-2 shapes on an H100 (data/bench/experiments/h100-drift-*). This moves one buffer
 group at a time and times the same launch (graph replay over rotating sets, cpa.timing):
 
-  partials  the K/V sets stay; before each trial a spacer of k x 2 MiB (k random in 0..spacer_max)
-            is allocated, then the launches (their outputs and partition buffers land after it)
+  partials  the K/V sets stay; torch's cache is emptied, a spacer of k x 2 MiB (k random in
+            0..spacer_max) allocated, then the launches (their outputs and partition buffers come
+            from new device memory after it)
   pool      before each trial the spacer, then new K/V sets (the pool lands after it), then the
             launches
   none      neither moves: the same launches timed again (the method's own spread)
@@ -82,8 +83,11 @@ def main(argv=None) -> int:
     for trial in range(a.trials):
         for arm in arms:
             k = rng.randint(0, a.spacer_max) if arm != "none" else 0
+            # (emptying torch's cache makes the next allocations new device memory, so the spacer
+            # moves them; without it they would reuse the previous trial's freed blocks)
             if arm == "pool":  # the old pool freed, the spacer, then the new pool after it
                 sets = None
+            if arm != "none":
                 torch.cuda.empty_cache()
             spacer = _spacer(k * (1 << 21))
             if arm == "pool":
