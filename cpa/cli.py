@@ -687,10 +687,10 @@ def emu_check(
         raise typer.BadParameter(f"{platform!r}: one of {', '.join(V.PLATFORMS)}", param_hint="--platform")
     if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
-    if turns not in emu.TURNS:
-        raise typer.BadParameter(f"{turns!r}: one of {', '.join(emu.TURNS)}", param_hint="--turns")
-    if not 1 <= workgroups_at_once <= 64:
-        raise typer.BadParameter(f"{workgroups_at_once}: 1 to 64", param_hint="--workgroups-at-once")
+    try:
+        emu.check_schedule(workgroups_at_once, turns)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--workgroups-at-once / --turns") from None
     try:
         knob_flags = emu.check_flags((flags or "").split())
     except ValueError as e:

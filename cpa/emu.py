@@ -35,7 +35,7 @@ import torch
 
 from . import variants as V
 from .jit import CSRC, cache_root, sources_digest
-from .ops import fp8_format_unsupported, kernel_scalars, shared_steps_refusal
+from .ops import cluster_refusal, fp8_format_unsupported, kernel_scalars, shared_steps_refusal
 from .static import check_knob_flags, find_clang
 from .validation import validate_paged_attention_args
 
@@ -50,6 +50,15 @@ UNEMULATED = {"CPA_KV_ASYNC": "the staged / ring main loops (cp.async, TMA) are 
 
 # how the emulated workgroups of a concurrent launch take turns (wave_emu.h's Baton)
 TURNS = ("random", "until_blocked")
+
+
+def check_schedule(workgroups_at_once, turns) -> None:
+    """ValueError unless `workgroups_at_once` (1-64) and `turns` (TURNS) name a schedule the
+    emulator runs; paged_attention and `cpa emu` ask it before any build."""
+    if not (isinstance(workgroups_at_once, int) and 1 <= workgroups_at_once <= 64):
+        raise ValueError(f"workgroups_at_once must be an int from 1 to 64, got {workgroups_at_once!r}")
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
 
 
 def check_flags(flags) -> tuple:
@@ -172,10 +181,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     ``cpa.paged_attention(cluster_reduce=True)``); a cluster's workgroups run at once, so
     ``workgroups_at_once`` is rounded up to whole clusters."""
     flags = check_flags(flags)
-    if not (isinstance(workgroups_at_once, int) and 1 <= workgroups_at_once <= 64):
-        raise ValueError(f"workgroups_at_once must be an int in 1..64, got {workgroups_at_once!r}")
-    if turns not in TURNS:
-        raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
+    check_schedule(workgroups_at_once, turns)
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
@@ -195,11 +201,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     parts = -(-shape.max_seq_len // partition_size)
     if cluster_reduce and why is None:
         why = (f"thread-block clusters are CUDA's (sm_90+), not {platform}'s" if platform != "cuda"
-               else V.cluster_unsupported("sm_90", parts))
-        why = why or ("fused_reduce=True is the other in-kernel combine" if fused_reduce else None)
+               else cluster_refusal("sm_90", parts, fused=fused_reduce, return_intermediates=return_intermediates))
         why = why or ("shared steps are not combined with the cluster combine" if shared_steps else None)
-        why = why or ("return_intermediates=True needs the partials in global memory, which the cluster combine "
-                      "never writes" if return_intermediates else None)
         why = why and f"cluster_reduce=True: {why}"
     if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
         why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"

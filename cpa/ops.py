@@ -410,6 +410,17 @@ def shared_steps_refusal(variant: V.Variant, *, kv_async: bool = False, return_i
     return f"shared_steps=True: {why}" if why else None
 
 
+def cluster_refusal(arch: str, num_partitions: int, *, fused: bool = False,
+                    return_intermediates: bool = False) -> str | None:
+    """Why the cluster combine cannot run a launch of `num_partitions` partitions with these
+    options, the device's capacity aside (None: it can); _cluster_size and the wave emulator
+    (cpa.emu) ask it."""
+    why = V.cluster_unsupported(arch, num_partitions)
+    why = why or ("fused_reduce=True is the other in-kernel combine" if fused else None)
+    return why or ("return_intermediates=True needs the partials in global memory, which the cluster combine "
+                   "never writes" if return_intermediates else None)
+
+
 def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAttentionShape, *, fused: bool,
                   return_intermediates: bool, query_device) -> int:
     """The cluster size of the launch (0: no cluster combine); raises when cluster_reduce=True
@@ -421,11 +432,7 @@ def _cluster_size(cluster_reduce, kernel: BuiltKernel, arch: str, shape: PagedAt
                                    not V.cluster_default(arch, np_, shape.num_seqs, shape.num_kv_heads,
                                                          _num_sms(query_device))):
         return 0
-    why = V.cluster_unsupported(arch, np_)
-    if why is None and fused:
-        why = "fused_reduce=True is the other in-kernel combine"
-    if why is None and return_intermediates:
-        why = "return_intermediates=True needs the partials in global memory, which the cluster combine never writes"
+    why = cluster_refusal(arch, np_, fused=fused, return_intermediates=return_intermediates)
     if why is None and kernel.max_active_clusters(np_) < 1:
         why = f"the device cannot hold a cluster of {np_} workgroups of this variant"
     if why is None:
