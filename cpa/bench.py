@@ -177,7 +177,7 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
     from .jit import device_arch
     from .ops import prepare
     from .provenance import git_commit, provenance
-    from .timing import SETTLE_US, settle_read, time_graph
+    from .timing import SETTLE_US, Settling, settle_read, time_graph
 
     check_block_order(block_order)  # before any GPU work
     if SETTLE not in SETTLES:
@@ -235,16 +235,14 @@ def run(*, batches=BATCHES, contexts=CONTEXTS, tilings=None, partition_sizes=Non
         # the shape's first timing after its inputs were written reads slow unless it settles
         # (cpa.timing.SETTLE_US); SETTLE says how: "warmup" (that timing's warm-up is SETTLE_US
         # long), "read" (the K/V pool read for SETTLE_US first), "sleep", "none"
-        settle = [SETTLE == "warmup"]
+        settling = Settling(SETTLE == "warmup")
         if SETTLE == "read":
             settle_read([sets.key_cache, sets.value_cache])
         elif SETTLE == "sleep":
             time.sleep(SETTLE_US * 1e-6)
 
         def timed(calls):
-            us = SETTLE_US if settle[0] else None
-            settle[0] = False
-            return time_graph(calls, replays=replays, warmup_us=us)
+            return time_graph(calls, replays=replays, warmup_us=settling.warmup_us())
 
         def measure(row, **how):
             """Prepare one launch per input set as `how` says, verify set 0 against the

@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from .fsio import fsync_dir, write_bytes_atomic
+from .timing import Settling
 
 SCHEMA_VERSION = 1
 GRID_SCHEMA = 1
@@ -677,7 +678,8 @@ class CudaPointState:
     tol: float
     sets: Any
     replays: int
-    settled: bool = False  # (the point's first timing warms up for cpa.timing.SETTLE_US)
+    # (the point's first timing warms up for cpa.timing.SETTLE_US)
+    settling: Settling = field(default_factory=Settling)
 
 
 class CudaRunner:
@@ -802,11 +804,10 @@ class CudaRunner:
         return {"verified": bool(err <= state.tol), "max_rel_err": err}
 
     def time(self, state: CudaPointState, built: Built) -> dict:
-        from .timing import SETTLE_US, time_graph
+        from .timing import time_graph
 
         kind, a, b = built.handle
-        settle = None if state.settled else SETTLE_US  # (as cpa.bench: a run's first timing reads slow)
-        state.settled = True
+        settle = state.settling.warmup_us()  # (as cpa.bench: a run's first timing reads slow)
         if kind == "peer":
             return a.time(state, b)
         launches = b

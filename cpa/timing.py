@@ -56,6 +56,20 @@ MAX_WARMUP_REPLAYS = 2000  # (per WARMUP_US: a longer warm-up asked for may run 
 SETTLE_US = 1_000_000.0
 
 
+class Settling:
+    """The warm-up of a run of timings that share a set-up (a bench shape, a sweep point): the
+    first asked for settles for SETTLE_US, the rest warm up as usual (None: WARMUP_US). With
+    ``settle=False`` none settles."""
+
+    def __init__(self, settle: bool = True):
+        self.pending = settle
+
+    def warmup_us(self) -> float | None:
+        us = SETTLE_US if self.pending else None
+        self.pending = False
+        return us
+
+
 def settle_read(tensors: Sequence, us: float = SETTLE_US) -> int:
     """Read `tensors` (a shape's K/V pool) on the device again and again for about `us`
     microseconds; the number of passes. (An experiment's arm of bench.SETTLE: is reading the

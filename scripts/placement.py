@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ref = reference.paged_attention(query=sets.queries[0], key_cache=sets.key_cache, value_cache=sets.value_cache,
                                     block_tables=sets.block_tables[0], seq_lens=sets.seq_lens, scale=sets.scale)
     tol = reference.REL_ERR_TOL[torch.float16]
-    rows, first = [], True
+    rows, settling = [], timing.Settling()
     for trial in range(a.trials):
         for arm in arms:
             k = rng.randint(0, a.spacer_max) if arm != "none" else 0
@@ -96,9 +96,8 @@ def main(argv=None) -> int:
             out = ls[0]()
             torch.cuda.synchronize()
             err = reference.relative_error(out, ref, per_seq=True)
-            t = timing.time_graph([l.__call__ for l in ls], warmup_us=timing.SETTLE_US if first else None)
+            t = timing.time_graph([l.__call__ for l in ls], warmup_us=settling.warmup_us())
             ta = timing.time_graph([l.attention for l in ls])
-            first = False
             rows.append(dict(arm=arm, trial=trial, spacer_mib=2 * k, time_us=t.median_us, time_us_p25=t.p25_us,
                              time_us_p75=t.p75_us, attn_time_us=ta.median_us, verified=bool(err <= tol),
                              max_rel_err=err, tmp_out_addr=ls[0].tmp_out.data_ptr() if ls[0].tmp_out is not None

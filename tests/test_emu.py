@@ -441,35 +441,29 @@ def test_cli_runs_variants_through_the_emulator():
 
     from cpa.cli import app
 
-    res = CliRunner().invoke(app, ["emu", "--tilings", "mfma16,mfma4", "--partition-sizes", "256",
-                                   "--seq-lens", "5,300"])
-    assert res.exit_code == 0, res.output
-    rows = [ln for ln in res.output.splitlines() if ln.endswith("  ok")]
-    assert [r.split()[0] for r in rows] == ["mfma16-p256-h128-b16-fp16-kvauto-g16-hip",
-                                            "mfma4-p256-h128-b16-fp16-kvauto-g4-hip"]
-    res = CliRunner().invoke(app, ["emu", "--dtype", "fp64"])
-    assert res.exit_code == 2 and "fp16 or bf16" in res.output
-    res = CliRunner().invoke(app, ["emu", "--platform", "cuda", "--tilings", "mfma4", "--seq-lens", "5,300",
-                                   "--flags", "-DCPA_K_WHOLE_LINES=0"])
-    assert res.exit_code == 0, res.output
-    assert [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")] == [
-        "mfma4-p256-h128-b16-fp16-kvauto-g8-cuda"]
-    res = CliRunner().invoke(app, ["emu", "--flags", "-DCPA_KV_ASYNC=4"])
-    assert res.exit_code == 2 and "not emulated" in res.output
-    res = CliRunner().invoke(app, ["emu", "--platform", "cuda", "--tilings", "mfma16", "--partition-sizes", "512",
-                                   "--seq-lens", "5,1600", "--shared-steps", "--workgroups-at-once", "4"])
-    assert res.exit_code == 0, res.output
-    assert [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")] == [
-        "mfma16-p512-h128-b16-fp16-kvauto-g8-cuda"]
-    res = CliRunner().invoke(app, ["emu", "--workgroups-at-once", "0"])
-    assert res.exit_code == 2 and "1 to 64" in res.output
-    res = CliRunner().invoke(app, ["emu", "--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000",
-                                   "--cluster", "--turns", "until_blocked"])
-    assert res.exit_code == 0, res.output
-    assert [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")] == [
-        "mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
-    res = CliRunner().invoke(app, ["emu", "--turns", "fifo"])
-    assert res.exit_code == 2 and "until_blocked" in res.output
+    def ran(*args):
+        """`cpa emu ARGS`: exit 0 and the variants of its ok rows."""
+        res = CliRunner().invoke(app, ["emu", *args])
+        assert res.exit_code == 0, res.output
+        return [ln.split()[0] for ln in res.output.splitlines() if ln.endswith("  ok")]
+
+    def refused(*args):
+        res = CliRunner().invoke(app, ["emu", *args])
+        assert res.exit_code == 2
+        return res.output
+
+    assert ran("--tilings", "mfma16,mfma4", "--partition-sizes", "256", "--seq-lens", "5,300") == [
+        "mfma16-p256-h128-b16-fp16-kvauto-g16-hip", "mfma4-p256-h128-b16-fp16-kvauto-g4-hip"]
+    assert "fp16 or bf16" in refused("--dtype", "fp64")
+    assert ran("--platform", "cuda", "--tilings", "mfma4", "--seq-lens", "5,300",
+               "--flags", "-DCPA_K_WHOLE_LINES=0") == ["mfma4-p256-h128-b16-fp16-kvauto-g8-cuda"]
+    assert "not emulated" in refused("--flags", "-DCPA_KV_ASYNC=4")
+    assert ran("--platform", "cuda", "--tilings", "mfma16", "--partition-sizes", "512", "--seq-lens", "5,1600",
+               "--shared-steps", "--workgroups-at-once", "4") == ["mfma16-p512-h128-b16-fp16-kvauto-g8-cuda"]
+    assert "1 to 64" in refused("--workgroups-at-once", "0")
+    assert ran("--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000", "--cluster",
+               "--turns", "until_blocked") == ["mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
+    assert "until_blocked" in refused("--turns", "fifo")
 
 
 def test_two_threads_emulate_at_once():
