@@ -94,6 +94,15 @@ def cycled(calls: Sequence, min_calls: int, pass_us: float) -> list:
     return [calls[i % len(calls)] for i in range(min_calls)]
 
 
+def warmup_replays(replay_us: float, warmup_us: float | None = None) -> int:
+    """Replays to run after the counted warm-up so that about `warmup_us` (None: WARMUP_US) more
+    of them run, a replay taking `replay_us`; at most MAX_WARMUP_REPLAYS per WARMUP_US asked for
+    (the cap scales with a longer warm-up; with WARMUP_US set to 0 it is MAX_WARMUP_REPLAYS)."""
+    warm_us = WARMUP_US if warmup_us is None else float(warmup_us)
+    cap = int(MAX_WARMUP_REPLAYS * max(1.0, warm_us / WARMUP_US if WARMUP_US > 0 else 1.0))
+    return min(cap, int(warm_us / max(replay_us, 1.0)))
+
+
 def time_graph(calls: Sequence[Callable[[], None]], *, replays: int = 30, warmup: int = 3,
                use_graph: bool = True, min_calls: int = MIN_CALLS, warmup_us: float | None = None) -> Timing:
     """Median device time of one call, each call run once per replay (rotating sets); a list
@@ -132,10 +141,7 @@ def time_graph(calls: Sequence[Callable[[], None]], *, replays: int = 30, warmup
     run()
     w1.record()
     torch.cuda.synchronize()
-    one_us = max(w0.elapsed_time(w1) * 1e3, 1.0)
-    warm_us = WARMUP_US if warmup_us is None else float(warmup_us)
-    cap = int(MAX_WARMUP_REPLAYS * max(1.0, warm_us / WARMUP_US))
-    for _ in range(min(cap, int(warm_us / one_us))):  # (~warm_us more of them)
+    for _ in range(warmup_replays(w0.elapsed_time(w1) * 1e3, warmup_us)):
         run()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

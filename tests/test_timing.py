@@ -16,6 +16,20 @@ def test_long_passes_and_many_sets_are_left_alone():
     assert timing.cycled(sets, 8, 1.0) == sets
 
 
+def test_warmup_replays_fill_the_warmup_time_up_to_a_cap_that_scales_with_it(monkeypatch):
+    monkeypatch.setattr(timing, "WARMUP_US", 20_000.0)
+    assert timing.warmup_replays(1_000.0) == 20  # 20 ms of 1 ms replays
+    assert timing.warmup_replays(1_000.0, 100_000.0) == 100
+    assert timing.warmup_replays(1.0) == timing.MAX_WARMUP_REPLAYS  # tiny replays: capped
+    assert timing.warmup_replays(1.0, 4 * 20_000.0) == 4 * timing.MAX_WARMUP_REPLAYS
+    assert timing.warmup_replays(0.0) == timing.MAX_WARMUP_REPLAYS  # (a 0 us reading counts as 1 us)
+    # WARMUP_US set to 0 (a test's "no time-based warm-up"): none, and an asked-for one still
+    # runs, capped at MAX_WARMUP_REPLAYS (the GPU test found a division by zero here, eea9729)
+    monkeypatch.setattr(timing, "WARMUP_US", 0.0)
+    assert timing.warmup_replays(10.0) == 0
+    assert timing.warmup_replays(10.0, 50_000.0) == timing.MAX_WARMUP_REPLAYS
+
+
 @pytest.mark.gpu
 def test_time_graph_runs_each_cycled_call(monkeypatch):
     import torch
