@@ -15,6 +15,11 @@ Each trial writes a row: arm, trial, spacer_mib, time_us (median), attn_time_us,
 set's tmp_out / key_cache addresses, and provenance. The spread of time_us within an arm says
 whether that buffer group's placement matters.
 
+Run on an H100 (data/bench/experiments/h100-placement-*-eea9729.csv): the pool arm moved the
+K/V pool's virtual address and not the time; the partials arm moved the time (up to 1.5%) but
+not the partial buffers' virtual address -- torch's allocator hands the same addresses back
+after empty_cache, so what the spacer moves there is the physical backing only.
+
     python3 scripts/placement.py --out $OUT/h100-placement.csv [--batch 2 --context 16384
         --partition-size 1024 --trials 8 --spacer-max 256]
 """

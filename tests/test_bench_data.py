@@ -546,3 +546,21 @@ def test_drift_runs_are_level_within_a_run_and_apart_between_runs():
     apart = {k[1:]: med["cache", *k[1:]] / med["keep", *k[1:]] for k in med if k[0] == "cache"}
     assert 1.013 < apart[2, 16384, 1024] < 1.017 and 1.006 < apart[1, 8192, 512] < 1.009
     assert all(0.998 < r < 1.017 for r in apart.values())
+
+
+def test_placement_runs_move_the_time_with_the_partial_buffers_not_the_pool():
+    """data/bench/README.md (`h100-placement-*`): the K/V pool allocated anew at another virtual
+    address leaves the time level; the partial buffers allocated anew (the same virtual
+    addresses, new backing) move it by up to 1.5%."""
+    for name, partials_vs_none in (("h100-placement-eea9729.csv", (0.988, 0.991)),
+                                   ("h100-placement-nospacer-eea9729.csv", (0.996, 0.998))):
+        d = pd.read_csv(B.EXPERIMENTS / name)
+        assert len(d) == 24 and d.verified.all() and d.tmp_out_addr.nunique() == 1, name
+        g = d.groupby("arm").time_us
+        med, spread = g.median(), g.max() / g.min() - 1
+        assert partials_vs_none[0] < med["partials"] / med["none"] < partials_vs_none[1], name
+        assert abs(med["pool"] / med["none"] - 1) < 0.001, name
+        assert spread["pool"] < 0.005 and spread["none"] < 0.007 and 0.014 < spread["partials"] < 0.016, name
+        assert d.git_commit.str.startswith("eea9729").all() and d.device_name.str.contains("H100").all()
+    moved = pd.read_csv(B.EXPERIMENTS / "h100-placement-eea9729.csv")
+    assert moved[moved.arm == "pool"].key_cache_addr.nunique() > 4  # (the spacer did move the pool)
