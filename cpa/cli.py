@@ -653,7 +653,7 @@ def emu_check(
                                              "writes it on gfx94x; the hip default) or e4m3fn (OCP: gfx950, "
                                              "NVIDIA; the cuda default and only choice)."),
     platform: str = typer.Option("hip", help="hip (the AMD code path, wave64 + MFMA) or cuda (the NVIDIA one, "
-                                 "warp32 + mma.sync; not its staged loops or PDL)."),
+                                 "warp32 + mma.sync; not its staged loops)."),
     flags: Optional[str] = typer.Option(None, help="space-separated -D knob definitions of the build, e.g. "
                                         "'-DCPA_K_WHOLE_LINES=0' (not -DCPA_KV_ASYNC / -DCPA_LOAD_ONLY)."),
     shared_steps: bool = typer.Option(False, help="the shared-steps kernel (the workgroups of a sequence take "
@@ -666,6 +666,9 @@ def emu_check(
                               "until_blocked (a workgroup runs until it waits at a cluster barrier or ends)."),
     cluster: bool = typer.Option(False, help="the sm_90 cluster combine (--platform cuda; 2-16 partitions): a "
                                  "cluster's workgroups run at once."),
+    pdl: bool = typer.Option(False, help="the reduce kernel as a programmatic dependent of the attention "
+                             "kernel (--platform cuda, as sm_90 launches it): it starts beside the attention "
+                             "workgroups still running and waits at griddepcontrol.wait."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an
@@ -704,7 +707,7 @@ def emu_check(
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
                               fp8_format=fp8_format, platform=platform, flags=knob_flags,
                               shared_steps=shared_steps, workgroups_at_once=workgroups_at_once,
-                              schedule_seed=schedule_seed, turns=turns, cluster_reduce=cluster)
+                              schedule_seed=schedule_seed, turns=turns, cluster_reduce=cluster, pdl=pdl)
             except ValueError as e:
                 typer.echo(f"{tiling}-p{p}: not a {platform} variant ({e})")
                 continue

@@ -13,8 +13,9 @@ it says nothing about MI300 timing, ISA scheduling or the memory model.
 A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, the shuffles,
 ``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
 NVIDIA tilings' lane mappings are checked on a machine without a GPU too (the sm_89+ hardware
-fp8 decode is emulated as well, and the sm_90 cluster combine: ``cluster_reduce=True``); cache
-hints, the staged loops and PDL are not.
+fp8 decode is emulated as well, the sm_90 cluster combine, ``cluster_reduce=True``, and the
+programmatic dependent launch of the reduce kernel, ``pdl=True``); cache hints and the staged
+loops are not.
 
 ``paged_attention(...)`` takes CPU tensors and the same arguments as ``cpa.paged_attention``
 (validated by the same function), with an explicit ``partition_size`` and ``tiling``. Slow
@@ -104,6 +105,8 @@ class EmuKernel:
         L.cpa_emu_set_schedule.restype = None
         L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong, i32]
         L.cpa_emu_switches.restype = i64
+        L.cpa_emu_set_pdl.restype = i32
+        L.cpa_emu_set_pdl.argtypes = [i32]
         if L.cpa_variant().decode() != self.variant.name:
             raise RuntimeError(f"{self.path} holds {L.cpa_variant().decode()}, not {self.variant.name}")
 
@@ -160,7 +163,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
                     check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
                     shared_steps: bool = False, cluster_reduce: bool = False, flags=(), workgroups_at_once: int = 1,
-                    schedule_seed: int = 0, turns: str = "random"):
+                    schedule_seed: int = 0, turns: str = "random", pdl: bool = False):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
@@ -179,7 +182,15 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     ``cluster_reduce`` (``platform="cuda"``): the partitions of each (sequence, KV head) run as one
     thread-block cluster and combine through distributed shared memory (the sm_90 launch of
     ``cpa.paged_attention(cluster_reduce=True)``); a cluster's workgroups run at once, so
-    ``workgroups_at_once`` is rounded up to whole clusters."""
+    ``workgroups_at_once`` is rounded up to whole clusters.
+    ``pdl`` (``platform="cuda"``): the reduce kernel runs as a programmatic dependent of the
+    attention kernel, as sm_90 launches it (launch.h): its workgroups start once every attention
+    workgroup has run ``griddepcontrol.launch_dependents`` (or ended), interleaved with the attention
+    workgroups still running (``workgroups_at_once`` > 1), and pass ``griddepcontrol.wait`` only
+    once every attention workgroup has ended; what a reduce workgroup reads before its wait it
+    reads beside the attention kernel, so it sees NaN-poisoned or half-written partials. Where
+    no reduce kernel runs (one partition, ``fused_reduce``, ``cluster_reduce``) there is no pair
+    and the launch is the usual one."""
     flags = check_flags(flags)
     check_schedule(workgroups_at_once, turns)
     shape = validate_paged_attention_args(
@@ -204,6 +215,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                else cluster_refusal("sm_90", parts, fused=fused_reduce, return_intermediates=return_intermediates))
         why = why or ("shared steps are not combined with the cluster combine" if shared_steps else None)
         why = why and f"cluster_reduce=True: {why}"
+    if why is None and pdl:
+        why = (f"pdl=True: programmatic dependent launch is CUDA's (sm_90+), not {platform}'s" if platform != "cuda"
+               else "pdl=True, but the flags compile PDL out (-DCPA_PDL=0)" if "-DCPA_PDL=0" in flags else None)
     if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
         why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"
     if why:
@@ -224,14 +238,21 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
     steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32) if shared_steps else None
     tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
+    reduce = parts > 1 and not fused and not cluster
     k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"))
-    k.check(k.lib.cpa_emu_attention(
-        _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
-        S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, block_stride, head_stride,
-        scale_log2, out_scale, int(parts == 1), _ptr(counters), cluster, _ptr(steal)), "attention kernel")
-    if parts > 1 and not fused and not cluster:
-        k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(seq_lens),
-                                     S, H, parts, shape.max_blocks_per_seq), "reduce kernel")
+    # (with a PDL pair the attention call is held and run beside the reduce by the reduce call)
+    k.check(k.lib.cpa_emu_set_pdl(int(pdl and reduce)), "PDL")
+    try:
+        k.check(k.lib.cpa_emu_attention(
+            _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
+            S, H, shape.num_kv_heads, shape.max_blocks_per_seq, parts, block_stride, head_stride,
+            scale_log2, out_scale, int(parts == 1), _ptr(counters), cluster, _ptr(steal)), "attention kernel")
+        if reduce:
+            k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out),
+                                         _ptr(seq_lens), S, H, parts, shape.max_blocks_per_seq),
+                    "attention and reduce kernels (PDL)" if pdl else "reduce kernel")
+    finally:
+        k.lib.cpa_emu_set_pdl(0)
     if fused and int(counters.abs().sum()) != 0:
         raise RuntimeError("the fused reduce left its counters non-zero")
     if shared_steps and int(steal.abs().sum()) != 0:
@@ -246,13 +267,13 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
           fp8_format: str | None = None, platform: str = "hip", flags=(), shared_steps: bool = False,
           workgroups_at_once: int = 1, schedule_seed: int = 0, turns: str = "random",
-          cluster_reduce: bool = False) -> dict:
+          cluster_reduce: bool = False, pdl: bool = False) -> dict:
     """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
     combination that is not a variant of ``platform``. An fp8 cache is in ``fp8_format`` (on
     AMD by default MI300's e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950; NVIDIA
-    reads e4m3fn only). ``shared_steps``, ``cluster_reduce``, ``workgroups_at_once``,
+    reads e4m3fn only). ``shared_steps``, ``cluster_reduce``, ``pdl``, ``workgroups_at_once``,
     ``schedule_seed``, ``turns``: as for paged_attention (the row's ``switches``: turns handed
     between workgroups)."""
     import time
@@ -275,7 +296,7 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
     out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce,
                           platform=platform, flags=flags, shared_steps=shared_steps,
                           workgroups_at_once=workgroups_at_once, schedule_seed=schedule_seed, turns=turns,
-                          cluster_reduce=cluster_reduce)
+                          cluster_reduce=cluster_reduce, pdl=pdl)
     secs = time.perf_counter() - t0
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,

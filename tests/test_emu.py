@@ -374,6 +374,39 @@ def test_cluster_combine_in_the_emulator(tiling, P, lens):
         assert err <= reference.REL_ERR_TOL[torch.float16], f"{wg} at once, {turns}: relative error {err:.3g}"
 
 
+PDL = [("mfma16", 256, (1, 17, 300, 1000), False, "reduce_few"), ("mfma16", 64, (1, 17, 300, 1000), False, "reduce"),
+       ("scalar", 512, (1, 17, 600, 5000), True, "reduce")]
+
+
+@pytest.mark.parametrize("tiling,P,lens,shared,reduce_kernel", PDL, ids=[f"{c[0]}-{c[4]}" + "-shared" * c[3] for c in PDL])
+def test_pdl_pair_in_the_emulator(tiling, P, lens, shared, reduce_kernel):
+    """The reduce kernel as a programmatic dependent of the attention kernel (pdl=True, the sm_90
+    launch): its workgroups start once every attention workgroup has run launch_dependents,
+    interleaved with the attention workgroups still running, and pass griddepcontrol.wait once
+    they have all ended. Both reduce kernels, after fixed partitions and after shared steps.
+    Dropping the reduce kernels' wait_prior_grid, or moving it below their loads of the
+    partials, passes without pdl and fails here (error inf in all three cases; the few-partitions
+    kernel's with 8 workgroups at once, not with 2; checked by mutation 2026-12-06)."""
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=P + 5)
+    kw = inp.as_kwargs()
+    assert V.reduce_kernel(-(-max(lens) // P), len(lens), 16) == reduce_kernel
+    ref = reference.paged_attention(**kw)
+    k = emu.build(V.variant_for(tiling=tiling, partition_size=P, head_size=128, block_size=16, dtype="fp16",
+                                kv_cache_dtype="auto", gqa_ratio=8, platform="cuda"))
+    for seed in (1, 2):
+        out = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform="cuda", shared_steps=shared,
+                                  pdl=True, workgroups_at_once=8, schedule_seed=seed)
+        assert k.switches > 100, k.switches
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= reference.REL_ERR_TOL[torch.float16], f"seed {seed}: relative error {err:.3g}"
+    for extra, match in ((dict(platform="hip", tiling="mfma16"), "CUDA's"), (dict(flags=("-DCPA_PDL=0",)), "CPA_PDL=0")):
+        args = {**dict(partition_size=P, tiling=tiling, platform="cuda", pdl=True), **extra}
+        with pytest.raises(ValueError, match=match):  # (before any build)
+            emu.paged_attention(**kw, **args)
+
+
 def test_emulator_refuses_clusters_it_cannot_form():
     from cpa.inputs import make_paged_inputs
 
@@ -464,6 +497,9 @@ def test_cli_runs_variants_through_the_emulator():
     assert ran("--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000", "--cluster",
                "--turns", "until_blocked") == ["mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
     assert "until_blocked" in refused("--turns", "fifo")
+    assert ran("--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000", "--pdl",
+               "--workgroups-at-once", "8") == ["mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
+    assert "CUDA's" in refused("--tilings", "mfma16", "--pdl")
 
 
 def test_two_threads_emulate_at_once():

@@ -323,13 +323,18 @@ CPA_DEVICE u32x2 lds8(const void* p) {
 #ifndef CPA_PDL_ATTENTION
 #define CPA_PDL_ATTENTION 1
 #endif
+// (The wave emulator's CUDA side runs them in its PDL launch: emu/wave_emu.h, run_pdl_pair.)
 CPA_DEVICE void allow_dependent_launch() {
-#if CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(CPA_EMU) && CPA_CUDA && CPA_PDL
+  ::cpa_emu::launch_dependents();
+#elif CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 CPA_DEVICE void wait_prior_grid() {
-#if CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(CPA_EMU) && CPA_CUDA && CPA_PDL
+  ::cpa_emu::grid_dependency_wait();
+#elif CPA_CUDA && CPA_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

@@ -37,20 +37,66 @@ int attention(const cpa::AttnParams& p, int num_seqs, int num_kv_heads) {
   return walk_grid(cpa::paged_attention_kernel<Cfg>, num_seqs, p.max_num_partitions, num_kv_heads, Cfg::THREADS, p);
 }
 
+// The reduce kernel's grid, as launch.h picks it (the few-partitions kernel or the general one).
 template <class Cfg>
-int reduce(const cpa::ReduceParams& p, int num_seqs) {
+GridSpec reduce_grid(const cpa::ReduceParams& p, int num_seqs) {
   using T = typename Cfg::Dtype;
   constexpr int HEAD = Cfg::head_size;
   if (cpa::use_reduce_few(p.max_num_partitions, num_seqs, p.num_heads)) {
     using RF = cpa::ReduceFewConfig<T, HEAD>;
-    return walk_grid(cpa::paged_attention_reduce_few_kernel<T, HEAD>, (p.num_heads + RF::HEADS - 1) / RF::HEADS,
-                     num_seqs, 1, RF::THREADS, p);
+    return {(p.num_heads + RF::HEADS - 1) / RF::HEADS, num_seqs, 1, RF::THREADS,
+            [p] { cpa::paged_attention_reduce_few_kernel<T, HEAD>(p); }};
   }
-  return walk_grid(cpa::paged_attention_reduce_kernel<T, HEAD>, p.num_heads, num_seqs, 1,
-                   cpa::ReduceConfig<T, HEAD>::THREADS, p);
+  return {p.num_heads, num_seqs, 1, cpa::ReduceConfig<T, HEAD>::THREADS,
+          [p] { cpa::paged_attention_reduce_kernel<T, HEAD>(p); }};
 }
 
+template <class Cfg>
+int reduce(const cpa::ReduceParams& p, int num_seqs) {
+  const GridSpec g = reduce_grid<Cfg>(p, num_seqs);
+  return walk_grid([&g](const cpa::ReduceParams&) { g.body(); }, g.gx, g.gy, g.gz, g.threads, p);
+}
+
+// cpa_emu_set_pdl(1): the next cpa_emu_attention is held, and the cpa_emu_reduce after it runs
+// both as a PDL pair (attention_then_reduce); per calling thread, as the schedule.
+struct HeldAttention {
+  bool pdl = false, held = false;
+  cpa::AttnParams p{};
+  int num_kv_heads = 0;
+};
+inline HeldAttention& held_attention() {
+  static thread_local HeldAttention h;
+  return h;
+}
+
+#if CPA_CUDA
+// The attention kernel (fixed partitions or shared steps) and, launched as its programmatic
+// dependent, the reduce kernel (launch.h's sm_90 launch): run_pdl_pair.
+template <class Cfg>
+int attention_then_reduce(const cpa::AttnParams& a, int num_kv_heads, const cpa::ReduceParams& r, int num_seqs) {
+  if (a.cluster > 1) {
+    last_error() = "the cluster combine has no reduce kernel to launch as a dependent";
+    return 2;
+  }
+  const GridSpec attn{num_seqs, a.max_num_partitions, num_kv_heads, Cfg::THREADS, [a] {
+                        if (a.steal) cpa::paged_attention_kernel<Cfg, true>(a);
+                        else cpa::paged_attention_kernel<Cfg>(a);
+                      }};
+  if (!run_pdl_pair(attn, reduce_grid<Cfg>(r, num_seqs))) {
+    last_error() += " (PDL pair)";
+    return 1;
+  }
+  return 0;
+}
+#endif
+
 }  // namespace cpa_emu
+
+#if CPA_CUDA
+#define CPA_EMU_PDL_PAIR(a, kvh, r, n) cpa_emu::attention_then_reduce<CpaCfg>((a), (kvh), (r), (n))
+#else
+#define CPA_EMU_PDL_PAIR(a, kvh, r, n) 2
+#endif
 
 #define CPA_DEFINE_EMU_VARIANT(NAME, TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP)                 \
   using CpaCfg = cpa::AttnConfig<TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP>;                    \
@@ -64,6 +110,15 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
     cpa_emu::schedule().switches = 0;                                                              \
   }                                                                                                \
   extern "C" long long cpa_emu_switches() { return cpa_emu::schedule().switches; }               \
+  extern "C" int cpa_emu_set_pdl(int on) {                                                         \
+    cpa_emu::held_attention() = {};                                                                \
+    if (on && !(cpa::kNvidia && CPA_PDL)) {                                                         \
+      cpa_emu::last_error() = "programmatic dependent launch is CUDA's (sm_90+, CPA_PDL)";         \
+      return 2;                                                                                    \
+    }                                                                                              \
+    cpa_emu::held_attention().pdl = on != 0;                                                       \
+    return 0;                                                                                      \
+  }                                                                                                \
   extern "C" int cpa_emu_attention(void* out, float* exp_sums, float* max_logits, float* tmp_out, \
                                    const void* query, const void* key_cache, const void* value_cache, \
                                    const int* block_tables, const int* seq_lens, const float* alibi, \
@@ -79,6 +134,12 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
                       out_direct, counters, num_kv_heads, cluster, steal,                        \
                       cpa::launch_tokens(max_num_partitions, CpaCfg::partition_size,              \
                                          max_blocks_per_seq, CpaCfg::block_size)};                \
+    if (cpa_emu::held_attention().pdl) { /* (run by the reduce call, as the pair) */               \
+      cpa_emu::held_attention().held = true;                                                       \
+      cpa_emu::held_attention().p = p;                                                             \
+      cpa_emu::held_attention().num_kv_heads = num_kv_heads;                                       \
+      return 0;                                                                                    \
+    }                                                                                              \
     return cpa_emu::attention<CpaCfg>(p, num_seqs, num_kv_heads);                                  \
   }                                                                                                \
   extern "C" int cpa_emu_reduce(void* out, const float* exp_sums, const float* max_logits,         \
@@ -88,5 +149,14 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
                         max_num_partitions, PARTITION,                                             \
                         cpa::launch_tokens(max_num_partitions, PARTITION, max_blocks_per_seq,      \
                                            CpaCfg::block_size)};                                            \
+    cpa_emu::HeldAttention& h = cpa_emu::held_attention();                                         \
+    if (h.pdl) {                                                                                   \
+      if (!h.held) {                                                                               \
+        cpa_emu::last_error() = "a PDL reduce with no attention launch held before it";            \
+        return 2;                                                                                  \
+      }                                                                                            \
+      h.held = false;                                                                              \
+      return CPA_EMU_PDL_PAIR(h.p, h.num_kv_heads, p, num_seqs);                                   \
+    }                                                                                              \
     return cpa_emu::reduce<CpaCfg>(p, num_seqs);                                                   \
   }

@@ -7,9 +7,10 @@
 //  * the CUDA side (-DCPA_EMU_CUDA): warp32, __shfl_*_sync, mma.sync.m16n8k16 / m16n8k8 and
 //    movmatrix.m8n8.trans with the fragment layouts the PTX ISA documents, __syncthreads and
 //    __syncwarp, and the sm_89+ hardware fp8 decode (cvt.rn.f16x2.e4m3x2) with __byte_perm --
-//    so that an index change in the NVIDIA tilings fails on the CPU before a GPU sees it; and
-//    thread-block clusters (barrier.cluster, ld.shared::cluster: run_grid's cluster launches).
-//    Not emulated: cache hints, cp.async / TMA (staged loops), PDL.
+//    so that an index change in the NVIDIA tilings fails on the CPU before a GPU sees it;
+//    thread-block clusters (barrier.cluster, ld.shared::cluster: run_grid's cluster launches);
+//    and the programmatic dependent launch of the reduce kernel (griddepcontrol: run_pdl_pair).
+//    Not emulated: cache hints, cp.async / TMA (staged loops).
 // It checks lane mappings and control flow, not timing, ISA or the memory model: every lane is a
 // fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
 // shuffle, a wave barrier) or a workgroup barrier; when every live lane of a wave is waiting
@@ -64,7 +65,8 @@ namespace cpa_emu {
 
 constexpr int kLanes = CPA_WAVE;  // 64 (HIP) or 32 (CUDA)
 enum Op : int {
-  kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4, kMma16816, kMma1688, kMovmatrix, kClusterBarrier
+  kRun = 0, kDone, kBarrier, kWaveBarrier, kPermute, kMfma16, kMfma4, kMma16816, kMma1688, kMovmatrix, kClusterBarrier,
+  kGridWait
 };
 
 struct Lane {
@@ -79,12 +81,15 @@ struct Lane {
 
 struct Baton;
 struct Cluster;
+struct Pdl;
 
 struct Group {
   Baton* baton = nullptr;  // concurrent workgroups: the turn to hand on after each round
   int worker = 0;
   Cluster* cluster = nullptr;  // a cluster launch: this workgroup's cluster and its rank in it
   int cluster_rank = 0;
+  Pdl* pdl = nullptr;  // a programmatic dependent launch: the pair's state, this workgroup's side
+  bool secondary = false, triggered = false;
   int threads = 0, cur = 0;
   int block[3] = {0, 0, 0};
   std::vector<Lane> lanes;
@@ -171,6 +176,18 @@ struct Cluster {
   std::vector<const char*> tls;
   std::vector<int> workers;
 };
+// A programmatic dependent launch (sm_90's PDL, the CUDA side): the reduce kernel (secondary)
+// is dispatched once every attention workgroup (primary) has run griddepcontrol.launch_dependents
+// or ended, and a secondary thread at griddepcontrol.wait waits until every primary has ended
+// (run_pdl_pair). `waiters`: the host threads blocked on either, unblocked by the primary that
+// opens it (so the baton never sees them all blocked while a primary still runs).
+struct Pdl {
+  int primaries = 0, triggered = 0, done = 0;
+  std::vector<int> gate_waiters, grid_waiters;  // host threads blocked on open() / ready()
+  bool open() const { return triggered == primaries; }
+  bool ready() const { return done == primaries; }
+};
+
 // An address in this host thread's thread-local storage. The `__shared__` variables are
 // thread_local statics of one module, whose TLS block each thread holds whole, so the same
 // variable of another thread is at the same offset from that thread's anchor.
@@ -291,7 +308,7 @@ inline void wave_op(Group& g, int w, int op) {
 inline const char* op_name(int op) {
   static const char* names[] = {"running", "done", "barrier", "wave barrier", kLanes == 64 ? "ds_bpermute" : "shfl.sync",
                                 "mfma 16x16x16", "mfma 4x4x4", "mma.m16n8k16", "mma.m16n8k8", "movmatrix",
-                                "cluster barrier"};
+                                "cluster barrier", "griddepcontrol.wait"};
   return names[op];
 }
 
@@ -316,6 +333,47 @@ inline bool cluster_wait(Group& g) {
   while (c->gen == gen)
     if (!g.baton->pass(g.worker)) {
       last_error() = g.baton->deadlock ? "deadlock: workgroups wait at cluster barriers no other member reaches"
+                                       : "stopped: another workgroup failed";
+      return false;
+    }
+  return true;
+}
+
+// PDL (struct Pdl): every access below is made by the host thread holding the turn.
+inline void unblock(Baton& b, std::vector<int>& waiters) {
+  for (int w : waiters) b.blocked[w] = 0;
+  waiters.clear();
+}
+// A primary workgroup counted as having launched its dependents (it ran
+// griddepcontrol.launch_dependents, or ended without).
+inline void count_trigger(Group& g) {
+  g.triggered = true;
+  if (++g.pdl->triggered == g.pdl->primaries) unblock(*g.baton, g.pdl->gate_waiters);
+}
+// platform.h's allow_dependent_launch: the first thread of a primary workgroup counts it.
+inline void launch_dependents() {
+  Group& g = group();
+  if (g.pdl && !g.secondary && !g.triggered) count_trigger(g);
+}
+// platform.h's wait_prior_grid: a secondary's thread waits (kGridWait) until every primary has
+// ended; anywhere else (a primary, whose own prior grid is not emulated, or no PDL launch) it
+// returns at once.
+inline void grid_dependency_wait() {
+  if (group().pdl && group().secondary) arrive(kGridWait);
+}
+inline bool grid_wait_over(const Group& g) { return !g.pdl || !g.secondary || g.pdl->ready(); }
+// Every thread of the workgroup that is not done waits at griddepcontrol.wait or behind one:
+// hand the turn on until the primary grid has ended (false: a deadlock or another failure).
+inline bool grid_block(Group& g) {
+  if (!g.pdl || !g.baton) {
+    last_error() = "griddepcontrol.wait blocked outside a programmatic dependent launch";
+    return false;
+  }
+  g.pdl->grid_waiters.push_back(g.worker);
+  g.baton->blocked[g.worker] = 1;
+  while (!g.pdl->ready())
+    if (!g.baton->pass(g.worker)) {
+      last_error() = g.baton->deadlock ? "deadlock: a dependent grid waits for a primary grid that never ends"
                                        : "stopped: another workgroup failed";
       return false;
     }
@@ -353,10 +411,30 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       swapcontext(&g.sched, &g.lanes[t].ctx);
     }
     bool any_live = false, progressed = false, all_at_barrier = true;
+    // griddepcontrol.wait is per thread: a thread there goes on once its wait is over; until then
+    // its wave's collectives wait for it (no error), and the workgroup blocks on the prior grid
+    bool grid_waiting = false;
+    for (int t = 0; t < threads; ++t)
+      if (g.lanes[t].op == kGridWait) {
+        if (grid_wait_over(g)) {
+          g.lanes[t].op = kRun;
+          progressed = true;
+        } else {
+          grid_waiting = true;
+        }
+      }
+    if (progressed) continue;  // (those threads run on to their next operation first)
     int barrier_op = -1;  // kBarrier or kClusterBarrier: every thread of the workgroup must wait at one kind
     for (int w = 0; w < waves; ++w) {
       Lane* L = g.lanes.data() + w * kLanes;
       int op = -1, live = 0;
+      bool at_grid_wait = false;
+      for (int l = 0; l < kLanes; ++l) at_grid_wait = at_grid_wait || L[l].op == kGridWait;
+      if (at_grid_wait) {
+        any_live = true;
+        all_at_barrier = false;
+        continue;
+      }
       for (int l = 0; l < kLanes; ++l) {
         if (L[l].op == kDone) continue;
         ++live;
@@ -401,6 +479,10 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       for (int t = 0; t < threads; ++t)
         if (g.lanes[t].op == kBarrier || g.lanes[t].op == kClusterBarrier) g.lanes[t].op = kRun;
       ++g.barriers;
+      progressed = true;
+    }
+    if (!progressed && grid_waiting) {
+      if (!grid_block(g)) return false;
       progressed = true;
     }
     if (!progressed) {
@@ -478,6 +560,82 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
       }
       ops += g.wave_ops;
       g.baton = nullptr;
+      baton.leave(w, !ok);
+    });
+  for (std::thread& t : pool) t.join();
+  group().wave_ops += ops;
+  schedule().switches += baton.switches;
+  if (!error.empty()) last_error() = error;
+  return error.empty();
+}
+
+// A grid launched and, as a programmatic dependent of it, a second grid (CUDA's PDL, the
+// attention kernel then its reduce kernel; launch.h): each grid's workgroups in a seeded random
+// order on schedule().workers host threads taking turns, every workgroup of the primary
+// dispatched before any of the secondary's; a secondary workgroup starts once every primary
+// workgroup has run griddepcontrol.launch_dependents or ended, and its threads pass
+// griddepcontrol.wait once every primary workgroup has ended (struct Pdl). So what a secondary
+// does before its wait runs beside the primary: a read there of what the primary writes gets
+// the value of the moment (NaN-poisoned partials), as on the GPU.
+struct GridSpec {
+  int gx, gy, gz, threads;
+  std::function<void()> body;
+};
+inline bool run_pdl_pair(const GridSpec& primary, const GridSpec& secondary) {
+  const Schedule sch = schedule();
+  std::mt19937_64 rng(sch.seed);
+  std::vector<std::array<int, 3>> order[2];
+  for (int k = 0; k < 2; ++k) {
+    const GridSpec& s = k ? secondary : primary;
+    for (int z = 0; z < s.gz; ++z)
+      for (int y = 0; y < s.gy; ++y)
+        for (int x = 0; x < s.gx; ++x) order[k].push_back({x, y, z});
+    std::shuffle(order[k].begin(), order[k].end(), rng);
+  }
+  const size_t n0 = order[0].size(), total = n0 + order[1].size();
+  Pdl pdl;
+  pdl.primaries = (int)n0;
+  const int workers = std::max(1, std::min<int>(sch.workers, (int)total));
+  Baton baton(workers, rng(), sch.until_blocked);
+  size_t next = 0;  // (read and advanced by the thread holding the turn only)
+  std::string error;
+  long long ops = 0;
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      baton.start(w);
+      Group& g = group();
+      g.baton = &baton;
+      g.worker = w;
+      g.pdl = &pdl;
+      bool ok = true;
+      while (ok && !baton.abort && next < total) {
+        const size_t u = next++;
+        g.secondary = u >= n0;
+        g.triggered = false;
+        if (g.secondary && !pdl.open()) {  // the dependent grid is not launched yet
+          pdl.gate_waiters.push_back(w);
+          baton.blocked[w] = 1;
+          while (ok && !pdl.open()) ok = baton.pass(w);
+          if (!ok) {
+            if (error.empty())
+              error = baton.deadlock ? "deadlock: the dependent grid is never launched" : "stopped: another workgroup failed";
+            break;
+          }
+        }
+        const GridSpec& spec = g.secondary ? secondary : primary;
+        const std::array<int, 3> b = g.secondary ? order[1][u - n0] : order[0][u];
+        ok = run_group(spec.threads, b[0], b[1], b[2], spec.body);
+        if (!ok && error.empty()) error = last_error();
+        if (ok && !g.secondary) {
+          if (!g.triggered) count_trigger(g);
+          if (++pdl.done == pdl.primaries) unblock(baton, pdl.grid_waiters);
+        }
+      }
+      ops += g.wave_ops;
+      g.baton = nullptr;
+      g.pdl = nullptr;
+      g.secondary = false;
       baton.leave(w, !ok);
     });
   for (std::thread& t : pool) t.join();
