@@ -666,9 +666,9 @@ def emu_check(
                               "until_blocked (a workgroup runs until it waits at a cluster barrier or ends)."),
     cluster: bool = typer.Option(False, help="the sm_90 cluster combine (--platform cuda; 2-16 partitions): a "
                                  "cluster's workgroups run at once."),
-    pdl: bool = typer.Option(False, help="the reduce kernel as a programmatic dependent of the attention "
-                             "kernel (--platform cuda, as sm_90 launches it): it starts beside the attention "
-                             "workgroups still running and waits at griddepcontrol.wait."),
+    pdl: bool = typer.Option(False, help="the launches chained as sm_90 makes them (--platform cuda): a kernel "
+                             "writing the inputs, the attention kernel and the reduce kernel, each a programmatic "
+                             "dependent of the one before, started beside it and waiting at griddepcontrol.wait."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an

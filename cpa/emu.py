@@ -14,8 +14,7 @@ A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, 
 ``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
 NVIDIA tilings' lane mappings are checked on a machine without a GPU too (the sm_89+ hardware
 fp8 decode is emulated as well, the sm_90 cluster combine, ``cluster_reduce=True``, and the
-programmatic dependent launch of the reduce kernel, ``pdl=True``); cache hints and the staged
-loops are not.
+programmatic dependent launches, ``pdl=True``); cache hints and the staged loops are not.
 
 ``paged_attention(...)`` takes CPU tensors and the same arguments as ``cpa.paged_attention``
 (validated by the same function), with an explicit ``partition_size`` and ``tiling``. Slow
@@ -106,7 +105,8 @@ class EmuKernel:
         L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong, i32]
         L.cpa_emu_switches.restype = i64
         L.cpa_emu_set_pdl.restype = i32
-        L.cpa_emu_set_pdl.argtypes = [i32]
+        L.cpa_emu_set_pdl.argtypes = [i32, i32, ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(i64)]
+        L.cpa_emu_run_pdl.restype = i32
         if L.cpa_variant().decode() != self.variant.name:
             raise RuntimeError(f"{self.path} holds {L.cpa_variant().decode()}, not {self.variant.name}")
 
@@ -183,14 +183,15 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     thread-block cluster and combine through distributed shared memory (the sm_90 launch of
     ``cpa.paged_attention(cluster_reduce=True)``); a cluster's workgroups run at once, so
     ``workgroups_at_once`` is rounded up to whole clusters.
-    ``pdl`` (``platform="cuda"``): the reduce kernel runs as a programmatic dependent of the
-    attention kernel, as sm_90 launches it (launch.h): its workgroups start once every attention
-    workgroup has run ``griddepcontrol.launch_dependents`` (or ended), interleaved with the attention
-    workgroups still running (``workgroups_at_once`` > 1), and pass ``griddepcontrol.wait`` only
-    once every attention workgroup has ended; what a reduce workgroup reads before its wait it
-    reads beside the attention kernel, so it sees NaN-poisoned or half-written partials. Where
-    no reduce kernel runs (one partition, ``fused_reduce``, ``cluster_reduce``) there is no pair
-    and the launch is the usual one."""
+    ``pdl`` (``platform="cuda"``): the launches chained as sm_90 makes them (launch.h): a kernel
+    writing the query and the K/V cache first (emulated: it copies them into buffers that start
+    NaN-poisoned, the query last, and lets its dependent launch at once), the attention kernel
+    as its programmatic dependent (CPA_PDL_ATTENTION; not with ``-DCPA_PDL_ATTENTION=0``), and the
+    reduce kernel, where one runs, as the attention kernel's. A dependent grid's workgroups start
+    once every workgroup of the grid before it has run ``griddepcontrol.launch_dependents`` (or
+    ended), interleaved with those still running (``workgroups_at_once`` > 1), and pass
+    ``griddepcontrol.wait`` only once they have all ended: what a kernel reads before its wait it
+    reads beside the kernel before it (poisoned or half-written inputs, partials)."""
     flags = check_flags(flags)
     check_schedule(workgroups_at_once, turns)
     shape = validate_paged_attention_args(
@@ -217,7 +218,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         why = why and f"cluster_reduce=True: {why}"
     if why is None and pdl:
         why = (f"pdl=True: programmatic dependent launch is CUDA's (sm_90+), not {platform}'s" if platform != "cuda"
-               else "pdl=True, but the flags compile PDL out (-DCPA_PDL=0)" if "-DCPA_PDL=0" in flags else None)
+               else "pdl=True, but the flags compile PDL out (-DCPA_PDL=0)" if "-DCPA_PDL=0" in flags
+               else "pdl=True: a cluster launch in a PDL chain is not emulated" if cluster_reduce else None)
     if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
         why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"
     if why:
@@ -237,11 +239,23 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     fused = fused_reduce and parts > 1
     counters = torch.zeros(S * shape.num_kv_heads, dtype=torch.int32) if fused else None
     steal = torch.zeros(S * shape.num_kv_heads * 2, dtype=torch.int32) if shared_steps else None
-    tensors = [query.contiguous(), key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
+    query = query.contiguous()
+    copies = []  # (destination, source): what the emulated kernel before the attention kernel writes
+    if pdl and "-DCPA_PDL_ATTENTION=0" not in flags:
+        def poisoned(t):  # (NaN in every dtype the kernels read: 0x7f is e4m3fn's NaN)
+            return torch.full_like(t, 0x7F) if t.dtype == torch.uint8 else torch.full_like(t, nan)
+        runs = [poisoned(t) for t in (key_cache, value_cache, query)]
+        copies = list(zip(runs, (key_cache, value_cache, query)))
+        key_cache, value_cache, query = runs
+    tensors = [query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
     reduce = parts > 1 and not fused and not cluster
     k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"))
-    # (with a PDL pair the attention call is held and run beside the reduce by the reduce call)
-    k.check(k.lib.cpa_emu_set_pdl(int(pdl and reduce)), "PDL")
+    # (with pdl the launches below are held, then run as one chain by cpa_emu_run_pdl)
+    n = len(copies)
+    k.check(k.lib.cpa_emu_set_pdl(int(pdl), n, (ctypes.c_void_p * n)(*(d.data_ptr() for d, _ in copies)),
+                                  (ctypes.c_void_p * n)(*(s_.data_ptr() for _, s_ in copies)),
+                                  (ctypes.c_longlong * n)(*(d.numel() * d.element_size() for d, _ in copies))),
+            "PDL")
     try:
         k.check(k.lib.cpa_emu_attention(
             _ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), *(_ptr(t) for t in tensors),
@@ -250,9 +264,12 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         if reduce:
             k.check(k.lib.cpa_emu_reduce(_ptr(out), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out),
                                          _ptr(seq_lens), S, H, parts, shape.max_blocks_per_seq),
-                    "attention and reduce kernels (PDL)" if pdl else "reduce kernel")
+                    "reduce kernel")
+        if pdl:
+            chain = ["input writer"] * bool(copies) + ["attention kernel"] + ["reduce kernel"] * reduce
+            k.check(k.lib.cpa_emu_run_pdl(), "PDL chain (" + ", ".join(chain) + ")")
     finally:
-        k.lib.cpa_emu_set_pdl(0)
+        k.lib.cpa_emu_set_pdl(0, 0, None, None, None)
     if fused and int(counters.abs().sum()) != 0:
         raise RuntimeError("the fused reduce left its counters non-zero")
     if shared_steps and int(steal.abs().sum()) != 0:

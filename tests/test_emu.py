@@ -374,33 +374,43 @@ def test_cluster_combine_in_the_emulator(tiling, P, lens):
         assert err <= reference.REL_ERR_TOL[torch.float16], f"{wg} at once, {turns}: relative error {err:.3g}"
 
 
-PDL = [("mfma16", 256, (1, 17, 300, 1000), False, "reduce_few"), ("mfma16", 64, (1, 17, 300, 1000), False, "reduce"),
-       ("scalar", 512, (1, 17, 600, 5000), True, "reduce")]
+PDL = [("mfma16", 256, (1, 17, 300, 1000), False, "auto", "reduce_few"),
+       ("mfma16", 64, (1, 17, 300, 1000), False, "fp8", "reduce"),
+       ("scalar", 512, (1, 17, 600, 5000), True, "auto", "reduce"),
+       ("mfma4", 256, (1, 17, 200), False, "auto", None)]
 
 
-@pytest.mark.parametrize("tiling,P,lens,shared,reduce_kernel", PDL, ids=[f"{c[0]}-{c[4]}" + "-shared" * c[3] for c in PDL])
-def test_pdl_pair_in_the_emulator(tiling, P, lens, shared, reduce_kernel):
-    """The reduce kernel as a programmatic dependent of the attention kernel (pdl=True, the sm_90
-    launch): its workgroups start once every attention workgroup has run launch_dependents,
-    interleaved with the attention workgroups still running, and pass griddepcontrol.wait once
-    they have all ended. Both reduce kernels, after fixed partitions and after shared steps.
-    Dropping the reduce kernels' wait_prior_grid, or moving it below their loads of the
-    partials, passes without pdl and fails here (error inf in all three cases; the few-partitions
-    kernel's with 8 workgroups at once, not with 2; checked by mutation 2026-12-06)."""
+@pytest.mark.parametrize("tiling,P,lens,shared,kv,reduce_kernel", PDL,
+                         ids=[f"{c[0]}-{c[4]}-{c[5]}" + "-shared" * c[3] for c in PDL])
+def test_pdl_chain_in_the_emulator(tiling, P, lens, shared, kv, reduce_kernel):
+    """The launches chained as sm_90 makes them (pdl=True): an emulated kernel writing the query
+    and the K/V cache (into buffers that start poisoned; it lets its dependent launch at once),
+    the attention kernel as its programmatic dependent, the reduce kernel (where one runs) as the
+    attention kernel's. A dependent's workgroups start once every workgroup before it has run
+    launch_dependents, interleaved with those still running, and pass griddepcontrol.wait once
+    they have all ended. Both reduce kernels, shared steps, an fp8 cache, and one partition (no
+    reduce). Checked by mutation (2026-12-06): the attention kernel's wait moved below its query
+    load, or the reduce kernels' wait dropped or moved below their loads of the partials, passes
+    without pdl and fails here (error inf; with 8 workgroups at once, not always with 2)."""
     from cpa.inputs import make_paged_inputs
 
-    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=P + 5)
+    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=P + 5,
+                            kv_cache_dtype=kv)
     kw = inp.as_kwargs()
     assert V.reduce_kernel(-(-max(lens) // P), len(lens), 16) == reduce_kernel
     ref = reference.paged_attention(**kw)
     k = emu.build(V.variant_for(tiling=tiling, partition_size=P, head_size=128, block_size=16, dtype="fp16",
-                                kv_cache_dtype="auto", gqa_ratio=8, platform="cuda"))
+                                kv_cache_dtype=kv, gqa_ratio=8, platform="cuda"))
+    keep = [t.clone() for t in (kw["query"], kw["key_cache"], kw["value_cache"])]
     for seed in (1, 2):
         out = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform="cuda", shared_steps=shared,
                                   pdl=True, workgroups_at_once=8, schedule_seed=seed)
         assert k.switches > 100, k.switches
         err = reference.relative_error(out, ref, per_seq=True)
         assert err <= reference.REL_ERR_TOL[torch.float16], f"seed {seed}: relative error {err:.3g}"
+    # (the caller's tensors untouched, bit for bit: their unused cache slots hold NaN)
+    assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+               for a, b in zip(keep, (kw["query"], kw["key_cache"], kw["value_cache"])))
     for extra, match in ((dict(platform="hip", tiling="mfma16"), "CUDA's"), (dict(flags=("-DCPA_PDL=0",)), "CPA_PDL=0")):
         args = {**dict(partition_size=P, tiling=tiling, platform="cuda", pdl=True), **extra}
         with pytest.raises(ValueError, match=match):  # (before any build)
@@ -413,7 +423,8 @@ def test_emulator_refuses_clusters_it_cannot_form():
     kw = make_paged_inputs(1, 8, 1, 128, 16, [3000], dtype=torch.float16).as_kwargs()
     for extra, match in ((dict(platform="hip"), "CUDA's"), (dict(partition_size=128), "at most 16"),
                          (dict(fused_reduce=True), "other in-kernel combine"),
-                         (dict(return_intermediates=True), "never writes"), (dict(turns="fifo"), "turns")):
+                         (dict(return_intermediates=True), "never writes"), (dict(turns="fifo"), "turns"),
+                         (dict(pdl=True), "cluster launch in a PDL chain")):
         args = {**dict(partition_size=256, tiling="mfma16", platform="cuda", cluster_reduce=True), **extra}
         with pytest.raises(ValueError, match=match):
             emu.paged_attention(**kw, **args)

@@ -57,33 +57,71 @@ int reduce(const cpa::ReduceParams& p, int num_seqs) {
   return walk_grid([&g](const cpa::ReduceParams&) { g.body(); }, g.gx, g.gy, g.gz, g.threads, p);
 }
 
-// cpa_emu_set_pdl(1): the next cpa_emu_attention is held, and the cpa_emu_reduce after it runs
-// both as a PDL pair (attention_then_reduce); per calling thread, as the schedule.
-struct HeldAttention {
-  bool pdl = false, held = false;
-  cpa::AttnParams p{};
-  int num_kv_heads = 0;
+// cpa_emu_set_pdl: the launches of a call are held, and cpa_emu_run_pdl runs them as sm_90 does
+// with PDL (launch.h): [a kernel writing the inputs, when asked,] the attention kernel as its
+// dependent, [the reduce kernel as the attention kernel's dependent] (run_pdl_chain). Per
+// calling thread, as the schedule.
+struct HeldLaunches {
+  bool pdl = false, attention = false, reduce = false;
+  cpa::AttnParams a{};
+  cpa::ReduceParams r{};
+  int num_seqs = 0, num_kv_heads = 0;
+  std::vector<std::array<uintptr_t, 3>> copies;  // the writer's (destination, source, bytes)
 };
-inline HeldAttention& held_attention() {
-  static thread_local HeldAttention h;
+inline HeldLaunches& held() {
+  static thread_local HeldLaunches h;
   return h;
 }
 
+// The kernel before the attention kernel, emulated: it writes the attention kernel's inputs
+// (the query and the K/V cache, copied from where the caller holds them into the buffers the
+// launch reads, which start poisoned). Like a PDL-aware producer it lets its dependent launch
+// at once, then copies 16-byte words, every thread its share of each 2 KB stretch in turn, the
+// destinations in the order given (the query last: written at the end), with a wave barrier
+// between stretches, so the attention workgroups run beside it.
+inline GridSpec input_writer(const std::vector<std::array<uintptr_t, 3>>& copies) {
+  constexpr int kGroups = 8, kThreads = 128, kWord = 16;
+  return {kGroups, 1, 1, kThreads, [copies] {
+            launch_dependents();
+            Group& g = group();
+            const size_t me = (size_t)g.block[0] * kThreads + g.cur, all = (size_t)kGroups * kThreads;
+            for (const auto& c : copies) {
+              char* dst = reinterpret_cast<char*>(c[0]);
+              const char* src = reinterpret_cast<const char*>(c[1]);
+              const size_t bytes = c[2];
+              for (size_t at = me * kWord, n = 0; at < bytes; at += all * kWord, ++n) {
+                memcpy(dst + at, src + at, std::min<size_t>(kWord, bytes - at));
+                if (n % 8 == 7) arrive(kWaveBarrier);  // (a turn may pass here)
+              }
+              arrive(kWaveBarrier);
+            }
+          }};
+}
+
 #if CPA_CUDA
-// The attention kernel (fixed partitions or shared steps) and, launched as its programmatic
-// dependent, the reduce kernel (launch.h's sm_90 launch): run_pdl_pair.
+// The held launches (HeldLaunches) as one chain of programmatic dependent launches.
 template <class Cfg>
-int attention_then_reduce(const cpa::AttnParams& a, int num_kv_heads, const cpa::ReduceParams& r, int num_seqs) {
-  if (a.cluster > 1) {
-    last_error() = "the cluster combine has no reduce kernel to launch as a dependent";
+int run_held() {
+  HeldLaunches& h = held();
+  const cpa::AttnParams a = h.a;
+  if (!h.attention) {
+    last_error() = "no attention launch held";
     return 2;
   }
-  const GridSpec attn{num_seqs, a.max_num_partitions, num_kv_heads, Cfg::THREADS, [a] {
-                        if (a.steal) cpa::paged_attention_kernel<Cfg, true>(a);
-                        else cpa::paged_attention_kernel<Cfg>(a);
-                      }};
-  if (!run_pdl_pair(attn, reduce_grid<Cfg>(r, num_seqs))) {
-    last_error() += " (PDL pair)";
+  if (a.cluster > 1) {
+    last_error() = "a cluster launch in a PDL chain is not emulated";
+    return 2;
+  }
+  std::vector<GridSpec> grids;
+  if (!h.copies.empty()) grids.push_back(input_writer(h.copies));
+  grids.push_back({h.num_seqs, a.max_num_partitions, h.num_kv_heads, Cfg::THREADS, [a] {
+                     if (a.steal) cpa::paged_attention_kernel<Cfg, true>(a);
+                     else cpa::paged_attention_kernel<Cfg>(a);
+                   }});
+  if (h.reduce) grids.push_back(reduce_grid<Cfg>(h.r, h.num_seqs));
+  h.attention = h.reduce = false;
+  if (!run_pdl_chain(grids)) {
+    last_error() += " (PDL chain of " + std::to_string(grids.size()) + " grids)";
     return 1;
   }
   return 0;
@@ -93,9 +131,9 @@ int attention_then_reduce(const cpa::AttnParams& a, int num_kv_heads, const cpa:
 }  // namespace cpa_emu
 
 #if CPA_CUDA
-#define CPA_EMU_PDL_PAIR(a, kvh, r, n) cpa_emu::attention_then_reduce<CpaCfg>((a), (kvh), (r), (n))
+#define CPA_EMU_RUN_HELD() cpa_emu::run_held<CpaCfg>()
 #else
-#define CPA_EMU_PDL_PAIR(a, kvh, r, n) 2
+#define CPA_EMU_RUN_HELD() 2
 #endif
 
 #define CPA_DEFINE_EMU_VARIANT(NAME, TAG, DTYPE, HEAD, BLOCK, FP8, PARTITION, CAP)                 \
@@ -110,15 +148,19 @@ int attention_then_reduce(const cpa::AttnParams& a, int num_kv_heads, const cpa:
     cpa_emu::schedule().switches = 0;                                                              \
   }                                                                                                \
   extern "C" long long cpa_emu_switches() { return cpa_emu::schedule().switches; }               \
-  extern "C" int cpa_emu_set_pdl(int on) {                                                         \
-    cpa_emu::held_attention() = {};                                                                \
-    if (on && !(cpa::kNvidia && CPA_PDL)) {                                                         \
+  extern "C" int cpa_emu_set_pdl(int on, int ncopies, void* const* dst, const void* const* src,          \
+                                 const long long* bytes) {                                         \
+    cpa_emu::held() = {};                                                                          \
+    if (on && !(cpa::kNvidia && CPA_PDL)) {                                                        \
       cpa_emu::last_error() = "programmatic dependent launch is CUDA's (sm_90+, CPA_PDL)";         \
       return 2;                                                                                    \
     }                                                                                              \
-    cpa_emu::held_attention().pdl = on != 0;                                                       \
+    cpa_emu::held().pdl = on != 0;                                                                 \
+    for (int i = 0; on && i < ncopies; ++i)                                                        \
+      cpa_emu::held().copies.push_back({(uintptr_t)dst[i], (uintptr_t)src[i], (uintptr_t)bytes[i]}); \
     return 0;                                                                                      \
   }                                                                                                \
+  extern "C" int cpa_emu_run_pdl() { return CPA_EMU_RUN_HELD(); }                                  \
   extern "C" int cpa_emu_attention(void* out, float* exp_sums, float* max_logits, float* tmp_out, \
                                    const void* query, const void* key_cache, const void* value_cache, \
                                    const int* block_tables, const int* seq_lens, const float* alibi, \
@@ -134,10 +176,11 @@ int attention_then_reduce(const cpa::AttnParams& a, int num_kv_heads, const cpa:
                       out_direct, counters, num_kv_heads, cluster, steal,                        \
                       cpa::launch_tokens(max_num_partitions, CpaCfg::partition_size,              \
                                          max_blocks_per_seq, CpaCfg::block_size)};                \
-    if (cpa_emu::held_attention().pdl) { /* (run by the reduce call, as the pair) */               \
-      cpa_emu::held_attention().held = true;                                                       \
-      cpa_emu::held_attention().p = p;                                                             \
-      cpa_emu::held_attention().num_kv_heads = num_kv_heads;                                       \
+    if (cpa_emu::held().pdl) { /* (run by cpa_emu_run_pdl) */                                      \
+      cpa_emu::held().attention = true;                                                            \
+      cpa_emu::held().a = p;                                                                       \
+      cpa_emu::held().num_seqs = num_seqs;                                                         \
+      cpa_emu::held().num_kv_heads = num_kv_heads;                                                 \
       return 0;                                                                                    \
     }                                                                                              \
     return cpa_emu::attention<CpaCfg>(p, num_seqs, num_kv_heads);                                  \
@@ -149,14 +192,10 @@ int attention_then_reduce(const cpa::AttnParams& a, int num_kv_heads, const cpa:
                         max_num_partitions, PARTITION,                                             \
                         cpa::launch_tokens(max_num_partitions, PARTITION, max_blocks_per_seq,      \
                                            CpaCfg::block_size)};                                            \
-    cpa_emu::HeldAttention& h = cpa_emu::held_attention();                                         \
-    if (h.pdl) {                                                                                   \
-      if (!h.held) {                                                                               \
-        cpa_emu::last_error() = "a PDL reduce with no attention launch held before it";            \
-        return 2;                                                                                  \
-      }                                                                                            \
-      h.held = false;                                                                              \
-      return CPA_EMU_PDL_PAIR(h.p, h.num_kv_heads, p, num_seqs);                                   \
+    if (cpa_emu::held().pdl) { /* (run by cpa_emu_run_pdl) */                                      \
+      cpa_emu::held().reduce = true;                                                               \
+      cpa_emu::held().r = p;                                                                       \
+      return 0;                                                                                    \
     }                                                                                              \
     return cpa_emu::reduce<CpaCfg>(p, num_seqs);                                                   \
   }

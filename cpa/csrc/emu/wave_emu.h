@@ -9,7 +9,7 @@
 //    __syncwarp, and the sm_89+ hardware fp8 decode (cvt.rn.f16x2.e4m3x2) with __byte_perm --
 //    so that an index change in the NVIDIA tilings fails on the CPU before a GPU sees it;
 //    thread-block clusters (barrier.cluster, ld.shared::cluster: run_grid's cluster launches);
-//    and the programmatic dependent launch of the reduce kernel (griddepcontrol: run_pdl_pair).
+//    and programmatic dependent launch (griddepcontrol: run_pdl_chain).
 //    Not emulated: cache hints, cp.async / TMA (staged loops).
 // It checks lane mappings and control flow, not timing, ISA or the memory model: every lane is a
 // fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
@@ -88,8 +88,11 @@ struct Group {
   int worker = 0;
   Cluster* cluster = nullptr;  // a cluster launch: this workgroup's cluster and its rank in it
   int cluster_rank = 0;
-  Pdl* pdl = nullptr;  // a programmatic dependent launch: the pair's state, this workgroup's side
-  bool secondary = false, triggered = false;
+  // a chain of programmatic dependent launches (run_pdl_chain): the link to the grid this one
+  // depends on (its griddepcontrol.wait) and to the grid that depends on it (its trigger)
+  Pdl* pdl_prior = nullptr;
+  Pdl* pdl_next = nullptr;
+  bool triggered = false;
   int threads = 0, cur = 0;
   int block[3] = {0, 0, 0};
   std::vector<Lane> lanes;
@@ -176,11 +179,12 @@ struct Cluster {
   std::vector<const char*> tls;
   std::vector<int> workers;
 };
-// A programmatic dependent launch (sm_90's PDL, the CUDA side): the reduce kernel (secondary)
-// is dispatched once every attention workgroup (primary) has run griddepcontrol.launch_dependents
-// or ended, and a secondary thread at griddepcontrol.wait waits until every primary has ended
-// (run_pdl_pair). `waiters`: the host threads blocked on either, unblocked by the primary that
-// opens it (so the baton never sees them all blocked while a primary still runs).
+// One link of a chain of programmatic dependent launches (sm_90's PDL, the CUDA side): the
+// dependent grid is dispatched once every workgroup of the grid before it (its primary) has run
+// griddepcontrol.launch_dependents or ended (open), and a dependent thread at
+// griddepcontrol.wait waits until every primary workgroup has ended (ready; run_pdl_chain).
+// The waiters: host threads blocked on either, unblocked by the primary workgroup that opens it
+// (so the baton never sees them all blocked while a primary still runs).
 struct Pdl {
   int primaries = 0, triggered = 0, done = 0;
   std::vector<int> gate_waiters, grid_waiters;  // host threads blocked on open() / ready()
@@ -348,30 +352,30 @@ inline void unblock(Baton& b, std::vector<int>& waiters) {
 // griddepcontrol.launch_dependents, or ended without).
 inline void count_trigger(Group& g) {
   g.triggered = true;
-  if (++g.pdl->triggered == g.pdl->primaries) unblock(*g.baton, g.pdl->gate_waiters);
+  if (++g.pdl_next->triggered == g.pdl_next->primaries) unblock(*g.baton, g.pdl_next->gate_waiters);
 }
-// platform.h's allow_dependent_launch: the first thread of a primary workgroup counts it.
+// platform.h's allow_dependent_launch: the first thread of a workgroup with a dependent counts it.
 inline void launch_dependents() {
   Group& g = group();
-  if (g.pdl && !g.secondary && !g.triggered) count_trigger(g);
+  if (g.pdl_next && !g.triggered) count_trigger(g);
 }
-// platform.h's wait_prior_grid: a secondary's thread waits (kGridWait) until every primary has
-// ended; anywhere else (a primary, whose own prior grid is not emulated, or no PDL launch) it
+// platform.h's wait_prior_grid: in a dependent grid a thread waits (kGridWait) until every
+// workgroup of the grid before it has ended; elsewhere (the chain's first grid, no chain) it
 // returns at once.
 inline void grid_dependency_wait() {
-  if (group().pdl && group().secondary) arrive(kGridWait);
+  if (group().pdl_prior) arrive(kGridWait);
 }
-inline bool grid_wait_over(const Group& g) { return !g.pdl || !g.secondary || g.pdl->ready(); }
+inline bool grid_wait_over(const Group& g) { return !g.pdl_prior || g.pdl_prior->ready(); }
 // Every thread of the workgroup that is not done waits at griddepcontrol.wait or behind one:
 // hand the turn on until the primary grid has ended (false: a deadlock or another failure).
 inline bool grid_block(Group& g) {
-  if (!g.pdl || !g.baton) {
+  if (!g.pdl_prior || !g.baton) {
     last_error() = "griddepcontrol.wait blocked outside a programmatic dependent launch";
     return false;
   }
-  g.pdl->grid_waiters.push_back(g.worker);
+  g.pdl_prior->grid_waiters.push_back(g.worker);
   g.baton->blocked[g.worker] = 1;
-  while (!g.pdl->ready())
+  while (!g.pdl_prior->ready())
     if (!g.baton->pass(g.worker)) {
       last_error() = g.baton->deadlock ? "deadlock: a dependent grid waits for a primary grid that never ends"
                                        : "stopped: another workgroup failed";
@@ -569,33 +573,34 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   return error.empty();
 }
 
-// A grid launched and, as a programmatic dependent of it, a second grid (CUDA's PDL, the
-// attention kernel then its reduce kernel; launch.h): each grid's workgroups in a seeded random
-// order on schedule().workers host threads taking turns, every workgroup of the primary
-// dispatched before any of the secondary's; a secondary workgroup starts once every primary
-// workgroup has run griddepcontrol.launch_dependents or ended, and its threads pass
-// griddepcontrol.wait once every primary workgroup has ended (struct Pdl). So what a secondary
-// does before its wait runs beside the primary: a read there of what the primary writes gets
-// the value of the moment (NaN-poisoned partials), as on the GPU.
+// Grids launched one after another, each a programmatic dependent of the one before (CUDA's
+// PDL: the attention kernel then its reduce kernel, launch.h; or a kernel writing the inputs
+// first): each grid's workgroups in a seeded random order on schedule().workers host threads
+// taking turns, every workgroup of a grid dispatched before any of the next one's; a workgroup
+// of grid k + 1 starts once every workgroup of grid k has run griddepcontrol.launch_dependents
+// or ended, and its threads pass griddepcontrol.wait once every workgroup of grid k has ended
+// (struct Pdl). So what a dependent grid does before its wait runs beside the grid before it: a
+// read there of what that grid writes gets the value of the moment (NaN-poisoned, half
+// written), as on the GPU.
 struct GridSpec {
   int gx, gy, gz, threads;
   std::function<void()> body;
 };
-inline bool run_pdl_pair(const GridSpec& primary, const GridSpec& secondary) {
+inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   const Schedule sch = schedule();
   std::mt19937_64 rng(sch.seed);
-  std::vector<std::array<int, 3>> order[2];
-  for (int k = 0; k < 2; ++k) {
-    const GridSpec& s = k ? secondary : primary;
+  std::vector<std::array<int, 4>> order;  // (x, y, z, grid), grid by grid
+  for (int k = 0; k < (int)grids.size(); ++k) {
+    const GridSpec& s = grids[k];
+    const size_t first = order.size();
     for (int z = 0; z < s.gz; ++z)
       for (int y = 0; y < s.gy; ++y)
-        for (int x = 0; x < s.gx; ++x) order[k].push_back({x, y, z});
-    std::shuffle(order[k].begin(), order[k].end(), rng);
+        for (int x = 0; x < s.gx; ++x) order.push_back({x, y, z, k});
+    std::shuffle(order.begin() + first, order.end(), rng);
   }
-  const size_t n0 = order[0].size(), total = n0 + order[1].size();
-  Pdl pdl;
-  pdl.primaries = (int)n0;
-  const int workers = std::max(1, std::min<int>(sch.workers, (int)total));
+  std::vector<Pdl> links(grids.empty() ? 0 : grids.size() - 1);  // link k: grid k, then grid k + 1
+  for (size_t k = 0; k < links.size(); ++k) links[k].primaries = grids[k].gx * grids[k].gy * grids[k].gz;
+  const int workers = std::max(1, std::min<int>(sch.workers, (int)order.size()));
   Baton baton(workers, rng(), sch.until_blocked);
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   std::string error;
@@ -607,35 +612,33 @@ inline bool run_pdl_pair(const GridSpec& primary, const GridSpec& secondary) {
       Group& g = group();
       g.baton = &baton;
       g.worker = w;
-      g.pdl = &pdl;
       bool ok = true;
-      while (ok && !baton.abort && next < total) {
-        const size_t u = next++;
-        g.secondary = u >= n0;
+      while (ok && !baton.abort && next < order.size()) {
+        const std::array<int, 4> b = order[next++];
+        const int k = b[3];
+        g.pdl_prior = k > 0 ? &links[k - 1] : nullptr;
+        g.pdl_next = k + 1 < (int)grids.size() ? &links[k] : nullptr;
         g.triggered = false;
-        if (g.secondary && !pdl.open()) {  // the dependent grid is not launched yet
-          pdl.gate_waiters.push_back(w);
+        if (g.pdl_prior && !g.pdl_prior->open()) {  // this grid is not launched yet
+          g.pdl_prior->gate_waiters.push_back(w);
           baton.blocked[w] = 1;
-          while (ok && !pdl.open()) ok = baton.pass(w);
+          while (ok && !g.pdl_prior->open()) ok = baton.pass(w);
           if (!ok) {
             if (error.empty())
-              error = baton.deadlock ? "deadlock: the dependent grid is never launched" : "stopped: another workgroup failed";
+              error = baton.deadlock ? "deadlock: a dependent grid is never launched" : "stopped: another workgroup failed";
             break;
           }
         }
-        const GridSpec& spec = g.secondary ? secondary : primary;
-        const std::array<int, 3> b = g.secondary ? order[1][u - n0] : order[0][u];
-        ok = run_group(spec.threads, b[0], b[1], b[2], spec.body);
+        ok = run_group(grids[k].threads, b[0], b[1], b[2], grids[k].body);
         if (!ok && error.empty()) error = last_error();
-        if (ok && !g.secondary) {
+        if (ok && g.pdl_next) {
           if (!g.triggered) count_trigger(g);
-          if (++pdl.done == pdl.primaries) unblock(baton, pdl.grid_waiters);
+          if (++g.pdl_next->done == g.pdl_next->primaries) unblock(baton, g.pdl_next->grid_waiters);
         }
       }
       ops += g.wave_ops;
       g.baton = nullptr;
-      g.pdl = nullptr;
-      g.secondary = false;
+      g.pdl_prior = g.pdl_next = nullptr;
       baton.leave(w, !ok);
     });
   for (std::thread& t : pool) t.join();
