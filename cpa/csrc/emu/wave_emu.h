@@ -500,6 +500,34 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
   }
 }
 
+// `workers` host threads taking turns on one baton (the concurrent launches below), each
+// running work(g, w, error) with its Group's baton and worker set; work returns false on a
+// failure and sets `error` if it is the first. The threads' wave operations and turns handed
+// on are added to the caller's; false with last_error() set when any failed.
+template <class Work>
+inline bool run_workers(int workers, uint64_t seed, bool keep, Work work) {
+  Baton baton(workers, seed, keep);
+  std::string error;
+  long long ops = 0;
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      baton.start(w);
+      Group& g = group();
+      g.baton = &baton;
+      g.worker = w;
+      const bool ok = work(g, w, error);
+      ops += g.wave_ops;
+      g.baton = nullptr;
+      baton.leave(w, !ok);
+    });
+  for (std::thread& t : pool) t.join();
+  group().wave_ops += ops;
+  schedule().switches += baton.switches;
+  if (!error.empty()) last_error() = error;
+  return error.empty();
+}
+
 // Every workgroup of a gx x gy x gz grid through run_group: one after another in grid order, or
 // (schedule().workers > 1) in a seeded random order on that many host threads taking turns.
 // cluster > 1 (= gy): each (x, z) is one thread-block cluster of gy workgroups, rank y; a
@@ -535,42 +563,26 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
     c.tls.assign(n, nullptr);
     c.workers.assign(n, 0);
   }
-  Baton baton(workers, rng(), sch.until_blocked);
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
-  std::string error;
-  long long ops = 0;
-  std::vector<std::thread> pool;
-  for (int w = 0; w < workers; ++w)
-    pool.emplace_back([&, w] {
-      baton.start(w);
-      Group& g = group();
-      g.baton = &baton;
-      g.worker = w;
-      bool ok = true;
-      if (n == 1) {
-        while (ok && !baton.abort && next < order.size()) {
-          const std::array<int, 3> b = order[next++];
-          ok = run_group(threads, b[0], b[1], b[2], body);
-          if (!ok && error.empty()) error = last_error();
-        }
-      } else {  // slot w / n runs rank w % n of every slots-th cluster
-        for (size_t u = w / n; ok && !baton.abort && u < order.size(); u += slots) {
-          g.cluster = &clusters[u];
-          g.cluster_rank = w % n;
-          ok = run_group(threads, order[u][0], w % n, order[u][2], body);
-          if (!ok && error.empty()) error = last_error();
-        }
-        g.cluster = nullptr;
+  return run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
+    bool ok = true;
+    if (n == 1) {
+      while (ok && !g.baton->abort && next < order.size()) {
+        const std::array<int, 3> b = order[next++];
+        ok = run_group(threads, b[0], b[1], b[2], body);
+        if (!ok && error.empty()) error = last_error();
       }
-      ops += g.wave_ops;
-      g.baton = nullptr;
-      baton.leave(w, !ok);
-    });
-  for (std::thread& t : pool) t.join();
-  group().wave_ops += ops;
-  schedule().switches += baton.switches;
-  if (!error.empty()) last_error() = error;
-  return error.empty();
+    } else {  // slot w / n runs rank w % n of every slots-th cluster
+      for (size_t u = w / n; ok && !g.baton->abort && u < order.size(); u += slots) {
+        g.cluster = &clusters[u];
+        g.cluster_rank = w % n;
+        ok = run_group(threads, order[u][0], w % n, order[u][2], body);
+        if (!ok && error.empty()) error = last_error();
+      }
+      g.cluster = nullptr;
+    }
+    return ok;
+  });
 }
 
 // Grids launched one after another, each a programmatic dependent of the one before (CUDA's
@@ -601,51 +613,36 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   std::vector<Pdl> links(grids.empty() ? 0 : grids.size() - 1);  // link k: grid k, then grid k + 1
   for (size_t k = 0; k < links.size(); ++k) links[k].primaries = grids[k].gx * grids[k].gy * grids[k].gz;
   const int workers = std::max(1, std::min<int>(sch.workers, (int)order.size()));
-  Baton baton(workers, rng(), sch.until_blocked);
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
-  std::string error;
-  long long ops = 0;
-  std::vector<std::thread> pool;
-  for (int w = 0; w < workers; ++w)
-    pool.emplace_back([&, w] {
-      baton.start(w);
-      Group& g = group();
-      g.baton = &baton;
-      g.worker = w;
-      bool ok = true;
-      while (ok && !baton.abort && next < order.size()) {
-        const std::array<int, 4> b = order[next++];
-        const int k = b[3];
-        g.pdl_prior = k > 0 ? &links[k - 1] : nullptr;
-        g.pdl_next = k + 1 < (int)grids.size() ? &links[k] : nullptr;
-        g.triggered = false;
-        if (g.pdl_prior && !g.pdl_prior->open()) {  // this grid is not launched yet
-          g.pdl_prior->gate_waiters.push_back(w);
-          baton.blocked[w] = 1;
-          while (ok && !g.pdl_prior->open()) ok = baton.pass(w);
-          if (!ok) {
-            if (error.empty())
-              error = baton.deadlock ? "deadlock: a dependent grid is never launched" : "stopped: another workgroup failed";
-            break;
-          }
-        }
-        ok = run_group(grids[k].threads, b[0], b[1], b[2], grids[k].body);
-        if (!ok && error.empty()) error = last_error();
-        if (ok && g.pdl_next) {
-          if (!g.triggered) count_trigger(g);
-          if (++g.pdl_next->done == g.pdl_next->primaries) unblock(baton, g.pdl_next->grid_waiters);
+  return run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
+    Baton& baton = *g.baton;
+    bool ok = true;
+    while (ok && !baton.abort && next < order.size()) {
+      const std::array<int, 4> b = order[next++];
+      const int k = b[3];
+      g.pdl_prior = k > 0 ? &links[k - 1] : nullptr;
+      g.pdl_next = k + 1 < (int)grids.size() ? &links[k] : nullptr;
+      g.triggered = false;
+      if (g.pdl_prior && !g.pdl_prior->open()) {  // this grid is not launched yet
+        g.pdl_prior->gate_waiters.push_back(w);
+        baton.blocked[w] = 1;
+        while (ok && !g.pdl_prior->open()) ok = baton.pass(w);
+        if (!ok) {
+          if (error.empty())
+            error = baton.deadlock ? "deadlock: a dependent grid is never launched" : "stopped: another workgroup failed";
+          break;
         }
       }
-      ops += g.wave_ops;
-      g.baton = nullptr;
-      g.pdl_prior = g.pdl_next = nullptr;
-      baton.leave(w, !ok);
-    });
-  for (std::thread& t : pool) t.join();
-  group().wave_ops += ops;
-  schedule().switches += baton.switches;
-  if (!error.empty()) last_error() = error;
-  return error.empty();
+      ok = run_group(grids[k].threads, b[0], b[1], b[2], grids[k].body);
+      if (!ok && error.empty()) error = last_error();
+      if (ok && g.pdl_next) {
+        if (!g.triggered) count_trigger(g);
+        if (++g.pdl_next->done == g.pdl_next->primaries) unblock(baton, g.pdl_next->grid_waiters);
+      }
+    }
+    g.pdl_prior = g.pdl_next = nullptr;
+    return ok;
+  });
 }
 
 template <class V>
