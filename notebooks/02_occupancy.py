@@ -91,8 +91,11 @@ else:
 # turns after every wave-wide operation, so the tickets spread. Two schedules, both right; the
 # outputs differ in their last bits because other workgroups summed other steps. The last rows
 # run NVIDIA's cluster combine the same way (a cluster's workgroups at once; with turns
-# "until_blocked" a rank runs ahead of the rest). One workgroup runs at a time: interleavings,
-# not the memory model.
+# "until_blocked" a rank runs ahead of the rest), then its programmatic dependent launches
+# (`pdl=True`: a kernel writing the inputs, the attention kernel, the reduce kernel, each started
+# beside the one before and held at `griddepcontrol.wait` until it has ended; a kernel that read
+# the inputs or the partials before its wait would read poison here). One workgroup runs at a
+# time: interleavings, not the memory model.
 
 # %%
 try:
@@ -107,6 +110,9 @@ else:
     rows += [dict(emu.check("mfma16", 256, platform="cuda", cluster_reduce=True, seq_lens=(17, 2100),
                             workgroups_at_once=9, turns=turns), variant=f"cluster of 9, turns {turns}")
              for turns in ("random", "until_blocked")]
+    # the sm_90 PDL chain (NVIDIA only): input writer -> attention -> reduce, 8 workgroups at once
+    rows += [dict(emu.check("mfma16", 256, platform="cuda", pdl=True, seq_lens=(17, 2100), workgroups_at_once=8,
+                            schedule_seed=seed), variant=f"PDL chain, schedule {seed}") for seed in (1, 2)]
     display(pd.DataFrame(rows)[["variant", "switches", "wave_ops", "rel_err", "ok"]])
 
 # %% [markdown]
