@@ -195,11 +195,22 @@ def _cases(platform):
 CASES = _cases("hip") + _cases("cuda")
 
 
+def _knob_builds():
+    """(variant, flags) of test_knob_builds_in_the_emulator's builds, as emu.check picks them."""
+    for platform, flag in KNOBS:
+        for tiling in V.TILINGS:
+            for kv in V.KV_CACHE_DTYPES:
+                yield V.variant_for(tiling=tiling, partition_size=256, head_size=128, block_size=16, dtype="bf16",
+                                    kv_cache_dtype=kv, gqa_ratio=GQA[platform][tiling], platform=platform), (flag,)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _prebuilt():
-    # every case's variant compiled up front, on all cores (a build is ~1 s of clang)
+    # the matrix's, the random cases' and the knob builds' variants compiled up front, on all
+    # cores (a build is a few seconds of clang; one after another they were most of CI's time)
+    builds = {(c["variant"], ()) for c in CASES + RANDOM_CASES} | set(_knob_builds())
     with ThreadPoolExecutor() as pool:
-        list(pool.map(emu.build, {c["variant"] for c in CASES}))
+        list(pool.map(lambda b: emu.build(*b), builds))
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
