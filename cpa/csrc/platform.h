@@ -323,7 +323,7 @@ CPA_DEVICE u32x2 lds8(const void* p) {
 #ifndef CPA_PDL_ATTENTION
 #define CPA_PDL_ATTENTION 1
 #endif
-// (The wave emulator's CUDA side runs them in its PDL launch: emu/wave_emu.h, run_pdl_pair.)
+// (The wave emulator's CUDA side runs them in its PDL chain: emu/wave_emu.h, run_pdl_chain.)
 CPA_DEVICE void allow_dependent_launch() {
 #if defined(CPA_EMU) && CPA_CUDA && CPA_PDL
   ::cpa_emu::launch_dependents();

@@ -416,9 +416,11 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
     }
     bool any_live = false, progressed = false, all_at_barrier = true;
     // griddepcontrol.wait is per thread: a thread there goes on once its wait is over; until then
-    // its wave's collectives wait for it (no error), and the workgroup blocks on the prior grid
+    // its wave's collectives wait for it (no error), and the workgroup blocks on the prior grid.
+    // (Only a dependent grid's threads ever wait there: grid_dependency_wait.)
+    const bool dependent = g.pdl_prior != nullptr;
     bool grid_waiting = false;
-    for (int t = 0; t < threads; ++t)
+    for (int t = 0; dependent && t < threads; ++t)
       if (g.lanes[t].op == kGridWait) {
         if (grid_wait_over(g)) {
           g.lanes[t].op = kRun;
@@ -433,7 +435,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       Lane* L = g.lanes.data() + w * kLanes;
       int op = -1, live = 0;
       bool at_grid_wait = false;
-      for (int l = 0; l < kLanes; ++l) at_grid_wait = at_grid_wait || L[l].op == kGridWait;
+      for (int l = 0; dependent && l < kLanes; ++l) at_grid_wait = at_grid_wait || L[l].op == kGridWait;
       if (at_grid_wait) {
         any_live = true;
         all_at_barrier = false;
