@@ -191,7 +191,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     once every workgroup of the grid before it has run ``griddepcontrol.launch_dependents`` (or
     ended), interleaved with those still running (``workgroups_at_once`` > 1), and pass
     ``griddepcontrol.wait`` only once they have all ended: what a kernel reads before its wait it
-    reads beside the kernel before it (poisoned or half-written inputs, partials)."""
+    reads beside the kernel before it (poisoned or half-written inputs, partials). With
+    ``cluster_reduce`` the attention kernel is a cluster launch in the chain, as launch.h makes it
+    (its clusters taken up whole, ``workgroups_at_once`` rounded up to whole clusters)."""
     flags = check_flags(flags)
     check_schedule(workgroups_at_once, turns)
     shape = validate_paged_attention_args(
@@ -218,8 +220,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         why = why and f"cluster_reduce=True: {why}"
     if why is None and pdl:
         why = (f"pdl=True: programmatic dependent launch is CUDA's (sm_90+), not {platform}'s" if platform != "cuda"
-               else "pdl=True, but the flags compile PDL out (-DCPA_PDL=0)" if "-DCPA_PDL=0" in flags
-               else "pdl=True: a cluster launch in a PDL chain is not emulated" if cluster_reduce else None)
+               else "pdl=True, but the flags compile PDL out (-DCPA_PDL=0)" if "-DCPA_PDL=0" in flags else None)
     if why is None and fused_reduce and "-DCPA_FUSED_REDUCE=0" in flags:
         why = "fused_reduce=True, but the flags compile the fused reduce out (-DCPA_FUSED_REDUCE=0)"
     if why:

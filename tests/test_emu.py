@@ -10,8 +10,10 @@ head 128, block 16 (GQA 8; AMD's mfma4, its small-GQA tiling, at GQA 4); head 64
 block 32, GQA 1 / 4 / 16, ALiBi and the fused reduce at partition 256; the longest partitions
 for mfma16. Each case runs one batch of the edge lengths {1, 17, P-1, P, P+1, 3P+7} with 2 KV
 heads, outputs and intermediates NaN-poisoned. The CUDA side runs its default build without
-the PTX-only paths it cannot emulate (cache hints, staged loops, PDL), which the GPU tests
-cover; its cluster combine runs in test_cluster_combine_in_the_emulator.
+the PTX-only paths it cannot emulate (cache hints, staged loops), which the GPU tests cover;
+its cluster combine runs in test_cluster_combine_in_the_emulator, its launches chained by
+programmatic dependent launch in test_pdl_chain_in_the_emulator and
+test_cluster_launch_in_a_pdl_chain.
 """
 
 from __future__ import annotations
@@ -428,14 +430,36 @@ def test_pdl_chain_in_the_emulator(tiling, P, lens, shared, kv, reduce_kernel):
             emu.paged_attention(**kw, **args)
 
 
+@pytest.mark.parametrize("tiling,P,lens", [CLUSTER[0], CLUSTER[2]], ids=["mfma16", "scalar"])
+def test_cluster_launch_in_a_pdl_chain(tiling, P, lens):
+    """The sm_90 cluster combine's launch as launch_clustered makes it, a programmatic dependent
+    (pdl=True with cluster_reduce=True): the input writer, then the attention kernel's clusters
+    (3 and 16 partitions) taken up whole beside it. Checked by mutation (2026-12-07): the
+    attention kernel's wait moved below its query load passes without pdl and fails here with 8
+    workgroups at once (error inf, both cases)."""
+    from cpa.inputs import make_paged_inputs
+
+    inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=3,
+                            alibi=tiling == "scalar")
+    kw = inp.as_kwargs()
+    ref = reference.paged_attention(**kw)
+    k = emu.build(V.variant_for(tiling=tiling, partition_size=P, head_size=128, block_size=16, dtype="fp16",
+                                kv_cache_dtype="auto", gqa_ratio=8, platform="cuda"))
+    for wg, seed, turns in ((8, 8, "random"), (8, 9, "random"), (3, 3, "until_blocked")):
+        out = emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform="cuda", cluster_reduce=True,
+                                  pdl=True, workgroups_at_once=wg, schedule_seed=seed, turns=turns)
+        assert k.switches > 20, k.switches
+        err = reference.relative_error(out, ref, per_seq=True)
+        assert err <= reference.REL_ERR_TOL[torch.float16], f"{wg} at once, seed {seed}: relative error {err:.3g}"
+
+
 def test_emulator_refuses_clusters_it_cannot_form():
     from cpa.inputs import make_paged_inputs
 
     kw = make_paged_inputs(1, 8, 1, 128, 16, [3000], dtype=torch.float16).as_kwargs()
     for extra, match in ((dict(platform="hip"), "CUDA's"), (dict(partition_size=128), "at most 16"),
                          (dict(fused_reduce=True), "other in-kernel combine"),
-                         (dict(return_intermediates=True), "never writes"), (dict(turns="fifo"), "turns"),
-                         (dict(pdl=True), "cluster launch in a PDL chain")):
+                         (dict(return_intermediates=True), "never writes"), (dict(turns="fifo"), "turns")):
         args = {**dict(partition_size=256, tiling="mfma16", platform="cuda", cluster_reduce=True), **extra}
         with pytest.raises(ValueError, match=match):
             emu.paged_attention(**kw, **args)

@@ -108,16 +108,15 @@ int run_held() {
     last_error() = "no attention launch held";
     return 2;
   }
-  if (a.cluster > 1) {
-    last_error() = "a cluster launch in a PDL chain is not emulated";
-    return 2;
-  }
   std::vector<GridSpec> grids;
   if (!h.copies.empty()) grids.push_back(input_writer(h.copies));
-  grids.push_back({h.num_seqs, a.max_num_partitions, h.num_kv_heads, Cfg::THREADS, [a] {
+  // (with a.cluster, launch_clustered's launch: clusters of the partitions, a dependent too)
+  grids.push_back({h.num_seqs, a.max_num_partitions, h.num_kv_heads, Cfg::THREADS,
+                   [a] {
                      if (a.steal) cpa::paged_attention_kernel<Cfg, true>(a);
                      else cpa::paged_attention_kernel<Cfg>(a);
-                   }});
+                   },
+                   a.cluster > 1 ? a.cluster : 0});
   if (h.reduce) grids.push_back(reduce_grid<Cfg>(h.r, h.num_seqs));
   h.attention = h.reduce = false;
   if (!run_pdl_chain(grids)) {

@@ -595,36 +595,64 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
 // or ended, and its threads pass griddepcontrol.wait once every workgroup of grid k has ended
 // (struct Pdl). So what a dependent grid does before its wait runs beside the grid before it: a
 // read there of what that grid writes gets the value of the moment (NaN-poisoned, half
-// written), as on the GPU.
+// written), as on the GPU. A grid with cluster > 1 (= gy, as run_grid) is a cluster launch: its
+// clusters are shuffled whole and their ranks dispatched one after another, so a cluster's
+// workgroups are taken up together (workers are rounded up to whole clusters, and a worker
+// blocked at a cluster barrier leaves the turn to those that take up the rest of its cluster).
 struct GridSpec {
   int gx, gy, gz, threads;
   std::function<void()> body;
+  int cluster = 0;
 };
 inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   const Schedule sch = schedule();
   std::mt19937_64 rng(sch.seed);
-  std::vector<std::array<int, 4>> order;  // (x, y, z, grid), grid by grid
+  std::vector<std::array<int, 5>> order;  // (x, y, z, grid, cluster or -1), grid by grid
+  std::vector<Cluster> clusters;
+  int widest = 1;  // the largest cluster
   for (int k = 0; k < (int)grids.size(); ++k) {
     const GridSpec& s = grids[k];
-    const size_t first = order.size();
+    const int n = s.cluster > 1 ? s.cluster : 1;
+    if (n > 1 && n != s.gy) {
+      last_error() = "a cluster must span the grid's y dimension (the partitions)";
+      return false;
+    }
+    widest = std::max(widest, n);
+    std::vector<std::array<int, 3>> units;  // workgroups, or clusters (x, z)
     for (int z = 0; z < s.gz; ++z)
-      for (int y = 0; y < s.gy; ++y)
-        for (int x = 0; x < s.gx; ++x) order.push_back({x, y, z, k});
-    std::shuffle(order.begin() + first, order.end(), rng);
+      for (int y = 0; y < (n > 1 ? 1 : s.gy); ++y)
+        for (int x = 0; x < s.gx; ++x) units.push_back({x, y, z});
+    std::shuffle(units.begin(), units.end(), rng);
+    for (const auto& u : units) {
+      if (n == 1) {
+        order.push_back({u[0], u[1], u[2], k, -1});
+        continue;
+      }
+      clusters.emplace_back();
+      clusters.back().n = n;
+      clusters.back().tls.assign(n, nullptr);
+      clusters.back().workers.assign(n, 0);
+      for (int r = 0; r < n; ++r) order.push_back({u[0], r, u[2], k, (int)clusters.size() - 1});
+    }
   }
   std::vector<Pdl> links(grids.empty() ? 0 : grids.size() - 1);  // link k: grid k, then grid k + 1
   for (size_t k = 0; k < links.size(); ++k) links[k].primaries = grids[k].gx * grids[k].gy * grids[k].gz;
-  const int workers = std::max(1, std::min<int>(sch.workers, (int)order.size()));
+  // (ranks are taken in order, so the workers blocked on a cluster's barrier are all of that
+  // cluster: with at least `widest` workers its last rank is always taken up)
+  const int workers = std::max(widest, std::min<int>((sch.workers + widest - 1) / widest * widest,
+                                                     (int)order.size()));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   return run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     Baton& baton = *g.baton;
     bool ok = true;
     while (ok && !baton.abort && next < order.size()) {
-      const std::array<int, 4> b = order[next++];
+      const std::array<int, 5> b = order[next++];
       const int k = b[3];
       g.pdl_prior = k > 0 ? &links[k - 1] : nullptr;
       g.pdl_next = k + 1 < (int)grids.size() ? &links[k] : nullptr;
       g.triggered = false;
+      g.cluster = b[4] >= 0 ? &clusters[b[4]] : nullptr;
+      g.cluster_rank = b[4] >= 0 ? b[1] : 0;
       if (g.pdl_prior && !g.pdl_prior->open()) {  // this grid is not launched yet
         g.pdl_prior->gate_waiters.push_back(w);
         baton.blocked[w] = 1;
@@ -643,6 +671,7 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
       }
     }
     g.pdl_prior = g.pdl_next = nullptr;
+    g.cluster = nullptr;
     return ok;
   });
 }
