@@ -184,8 +184,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     ``cpa.paged_attention(cluster_reduce=True)``); a cluster's workgroups run at once, so
     ``workgroups_at_once`` is rounded up to whole clusters.
     ``pdl`` (``platform="cuda"``): the launches chained as sm_90 makes them (launch.h): a kernel
-    writing the query and the K/V cache first (emulated: it copies them into buffers that start
-    NaN-poisoned, the query last, and lets its dependent launch at once), the attention kernel
+    writing the K/V cache, the block tables, the sequence lengths and the query first (emulated:
+    it copies them in that order into buffers that start poisoned, NaN or 0, and lets its
+    dependent launch at once), the attention kernel
     as its programmatic dependent (CPA_PDL_ATTENTION; not with ``-DCPA_PDL_ATTENTION=0``), and the
     reduce kernel, where one runs, as the attention kernel's. A dependent grid's workgroups start
     once every workgroup of the grid before it has run ``griddepcontrol.launch_dependents`` (or
@@ -243,11 +244,16 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     query = query.contiguous()
     copies = []  # (destination, source): what the emulated kernel before the attention kernel writes
     if pdl and "-DCPA_PDL_ATTENTION=0" not in flags:
-        def poisoned(t):  # (NaN in every dtype the kernels read: 0x7f is e4m3fn's NaN)
-            return torch.full_like(t, 0x7F) if t.dtype == torch.uint8 else torch.full_like(t, nan)
-        runs = [poisoned(t) for t in (key_cache, value_cache, query)]
-        copies = list(zip(runs, (key_cache, value_cache, query)))
-        key_cache, value_cache, query = runs
+        # (NaN in every float dtype the kernels read, 0x7f being e4m3fn's NaN; the block tables
+        # and lengths, which a serving loop's previous kernel writes too (vLLM's advance_step),
+        # start at 0: in bounds, and a sequence of length 0 writes nothing)
+        def poisoned(t):
+            return (torch.full_like(t, 0x7F) if t.dtype == torch.uint8 else torch.zeros_like(t)
+                    if t.dtype == torch.int32 else torch.full_like(t, nan))
+        given = [key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(), query]
+        runs = [poisoned(t) for t in given]
+        copies = list(zip(runs, given))
+        key_cache, value_cache, block_tables, seq_lens, query = runs
     tensors = [query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
     reduce = parts > 1 and not fused and not cluster
     k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"))

@@ -396,15 +396,18 @@ PDL = [("mfma16", 256, (1, 17, 300, 1000), False, "auto", "reduce_few"),
 @pytest.mark.parametrize("tiling,P,lens,shared,kv,reduce_kernel", PDL,
                          ids=[f"{c[0]}-{c[4]}-{c[5]}" + "-shared" * c[3] for c in PDL])
 def test_pdl_chain_in_the_emulator(tiling, P, lens, shared, kv, reduce_kernel):
-    """The launches chained as sm_90 makes them (pdl=True): an emulated kernel writing the query
-    and the K/V cache (into buffers that start poisoned; it lets its dependent launch at once),
+    """The launches chained as sm_90 makes them (pdl=True): an emulated kernel writing the K/V
+    cache, the block tables, the sequence lengths and the query (into buffers that start
+    poisoned, NaN or 0; it lets its dependent launch at once),
     the attention kernel as its programmatic dependent, the reduce kernel (where one runs) as the
     attention kernel's. A dependent's workgroups start once every workgroup before it has run
     launch_dependents, interleaved with those still running, and pass griddepcontrol.wait once
     they have all ended. Both reduce kernels, shared steps, an fp8 cache, and one partition (no
     reduce). Checked by mutation (2026-12-06): the attention kernel's wait moved below its query
     load, or the reduce kernels' wait dropped or moved below their loads of the partials, passes
-    without pdl and fails here (error inf; with 8 workgroups at once, not always with 2)."""
+    without pdl and fails here (error inf; with 8 workgroups at once, not always with 2); so
+    does (2026-12-07, all 4 cases) the attention kernel's wait moved below its reads of the
+    sequence length and the block table, above the query load."""
     from cpa.inputs import make_paged_inputs
 
     inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=P + 5,
@@ -435,8 +438,9 @@ def test_cluster_launch_in_a_pdl_chain(tiling, P, lens):
     """The sm_90 cluster combine's launch as launch_clustered makes it, a programmatic dependent
     (pdl=True with cluster_reduce=True): the input writer, then the attention kernel's clusters
     (3 and 16 partitions) taken up whole beside it. Checked by mutation (2026-12-07): the
-    attention kernel's wait moved below its query load passes without pdl and fails here with 8
-    workgroups at once (error inf, both cases)."""
+    attention kernel's wait moved below its query load, or below its reads of the sequence length
+    and the block table, passes without pdl and fails here with 8 workgroups at once (error inf,
+    both cases)."""
     from cpa.inputs import make_paged_inputs
 
     inp = make_paged_inputs(len(lens), 16, 2, 128, 16, list(lens), dtype=torch.float16, seed=3,

@@ -74,9 +74,10 @@ inline HeldLaunches& held() {
 }
 
 // The kernel before the attention kernel, emulated: it writes the attention kernel's inputs
-// (the query and the K/V cache, copied from where the caller holds them into the buffers the
-// launch reads, which start poisoned). Like a PDL-aware producer it lets its dependent launch
-// at once, then copies the buffers in the order given (the query last: written at the end) in
+// (the K/V cache, the block tables, the sequence lengths and the query, copied from where the
+// caller holds them into the buffers the launch reads, which start poisoned). Like a PDL-aware
+// producer it lets its dependent launch at once, then copies the buffers in the order given
+// (cpa/emu.py: the query last, written at the end) in
 // 16-byte words, a pass of its 1024 threads covering 16 KB, with a wave barrier after every 8
 // passes and after each buffer (a turn may pass there), so the attention workgroups run beside it.
 inline GridSpec input_writer(const std::vector<std::array<uintptr_t, 3>>& copies) {
