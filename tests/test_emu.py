@@ -549,6 +549,8 @@ def test_cli_runs_variants_through_the_emulator():
     assert "until_blocked" in refused("--turns", "fifo")
     assert ran("--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000", "--pdl",
                "--workgroups-at-once", "8") == ["mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
+    assert ran("--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000", "--pdl", "--cluster",
+               "--workgroups-at-once", "8") == ["mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
     assert "CUDA's" in refused("--tilings", "mfma16", "--pdl")
 
 
