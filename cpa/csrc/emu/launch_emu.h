@@ -77,9 +77,9 @@ inline HeldLaunches& held() {
 // (the K/V cache, the block tables, the sequence lengths and the query, copied from where the
 // caller holds them into the buffers the launch reads, which start poisoned). Like a PDL-aware
 // producer it lets its dependent launch at once, then copies the buffers in the order given
-// (cpa/emu.py: the query last, written at the end) in
-// 16-byte words, a pass of its 1024 threads covering 16 KB, with a wave barrier after every 8
-// passes and after each buffer (a turn may pass there), so the attention workgroups run beside it.
+// (cpa/emu.py: the query last, written at the end) in 16-byte words, a pass of its 1024 threads
+// covering 16 KB, with a wave barrier after every 8 passes and after each buffer (a turn may
+// pass there), so the attention workgroups run beside it.
 inline GridSpec input_writer(const std::vector<std::array<uintptr_t, 3>>& copies) {
   constexpr int kGroups = 8, kThreads = 128, kWord = 16;
   return {kGroups, 1, 1, kThreads, [copies] {

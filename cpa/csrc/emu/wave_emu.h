@@ -178,6 +178,7 @@ struct Cluster {
   int n = 0, arrived = 0, gen = 0;
   std::vector<const char*> tls;
   std::vector<int> workers;
+  explicit Cluster(int n) : n(n), tls(n, nullptr), workers(n, 0) {}
 };
 // One link of a chain of programmatic dependent launches (sm_90's PDL, the CUDA side): the
 // dependent grid is dispatched once every workgroup of the grid before it (its primary) has run
@@ -530,6 +531,21 @@ inline bool run_workers(int workers, uint64_t seed, bool keep, Work work) {
   return error.empty();
 }
 
+// The dispatch units of a gx x gy x gz launch with clusters of n (> 1: = gy) workgroups: each
+// workgroup, or each cluster (x, 0, z) of n ranks y; false with last_error() set when a cluster
+// does not span y.
+inline bool dispatch_units(int gx, int gy, int gz, int n, std::vector<std::array<int, 3>>& units) {
+  if (n > 1 && n != gy) {
+    last_error() = "a cluster must span the grid's y dimension (the partitions)";
+    return false;
+  }
+  units.clear();
+  for (int z = 0; z < gz; ++z)
+    for (int y = 0; y < (n > 1 ? 1 : gy); ++y)
+      for (int x = 0; x < gx; ++x) units.push_back({x, y, z});
+  return true;
+}
+
 // Every workgroup of a gx x gy x gz grid through run_group: one after another in grid order, or
 // (schedule().workers > 1) in a seeded random order on that many host threads taking turns.
 // cluster > 1 (= gy): each (x, z) is one thread-block cluster of gy workgroups, rank y; a
@@ -538,33 +554,19 @@ inline bool run_workers(int workers, uint64_t seed, bool keep, Work work) {
 template <class Body>
 inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster = 0) {
   const Schedule sch = schedule();
-  if (cluster > 1 && cluster != gy) {
-    last_error() = "a cluster must span the grid's y dimension (the partitions)";
-    return false;
-  }
-  if (sch.workers <= 1 && cluster <= 1) {
-    for (int z = 0; z < gz; ++z)
-      for (int y = 0; y < gy; ++y)
-        for (int x = 0; x < gx; ++x)
-          if (!run_group(threads, x, y, z, body)) return false;
+  const int n = cluster > 1 ? cluster : 1;
+  std::vector<std::array<int, 3>> order;  // single workgroups in grid order, or clusters (x, z)
+  if (!dispatch_units(gx, gy, gz, n, order)) return false;
+  if (sch.workers <= 1 && n == 1) {
+    for (const auto& b : order)
+      if (!run_group(threads, b[0], b[1], b[2], body)) return false;
     return true;
   }
-  // the dispatch units: single workgroups, or clusters (x, z) of n = gy ranks
-  const int n = cluster > 1 ? cluster : 1;
-  std::vector<std::array<int, 3>> order;
-  for (int z = 0; z < gz; ++z)
-    for (int y = 0; y < (n > 1 ? 1 : gy); ++y)
-      for (int x = 0; x < gx; ++x) order.push_back({x, y, z});
   std::mt19937_64 rng(sch.seed);
   std::shuffle(order.begin(), order.end(), rng);
   const int slots = std::max(1, std::min<int>((sch.workers + n - 1) / n, (int)order.size()));
   const int workers = slots * n;
-  std::vector<Cluster> clusters(n > 1 ? order.size() : 0);
-  for (Cluster& c : clusters) {
-    c.n = n;
-    c.tls.assign(n, nullptr);
-    c.workers.assign(n, 0);
-  }
+  std::vector<Cluster> clusters(n > 1 ? order.size() : 0, Cluster(n));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   return run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     bool ok = true;
@@ -609,29 +611,20 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   std::mt19937_64 rng(sch.seed);
   std::vector<std::array<int, 5>> order;  // (x, y, z, grid, cluster or -1), grid by grid
   std::vector<Cluster> clusters;
+  std::vector<std::array<int, 3>> units;
   int widest = 1;  // the largest cluster
   for (int k = 0; k < (int)grids.size(); ++k) {
     const GridSpec& s = grids[k];
     const int n = s.cluster > 1 ? s.cluster : 1;
-    if (n > 1 && n != s.gy) {
-      last_error() = "a cluster must span the grid's y dimension (the partitions)";
-      return false;
-    }
+    if (!dispatch_units(s.gx, s.gy, s.gz, n, units)) return false;
     widest = std::max(widest, n);
-    std::vector<std::array<int, 3>> units;  // workgroups, or clusters (x, z)
-    for (int z = 0; z < s.gz; ++z)
-      for (int y = 0; y < (n > 1 ? 1 : s.gy); ++y)
-        for (int x = 0; x < s.gx; ++x) units.push_back({x, y, z});
     std::shuffle(units.begin(), units.end(), rng);
     for (const auto& u : units) {
       if (n == 1) {
         order.push_back({u[0], u[1], u[2], k, -1});
         continue;
       }
-      clusters.emplace_back();
-      clusters.back().n = n;
-      clusters.back().tls.assign(n, nullptr);
-      clusters.back().workers.assign(n, 0);
+      clusters.emplace_back(n);
       for (int r = 0; r < n; ++r) order.push_back({u[0], r, u[2], k, (int)clusters.size() - 1});
     }
   }
