@@ -14,6 +14,7 @@ from .fsio import write_csv_atomic
 
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode="markdown",
     no_args_is_help=True,
     help="cpa: a workbench for paged-attention decode kernels.",
 )
@@ -559,7 +560,8 @@ def report(
 @_command()
 def profile(
     profiler: str = typer.Option(..., help="ncu or rocprofv3 (run as a subprocess)."),
-    counters: str = typer.Option("basic", help="a set of profiling/<profiler>.yaml or comma-separated metrics."),
+    counters: str = typer.Option("basic", help="a counter set of profiling/PROFILER.yaml (ncu.yaml, "
+                                 "rocprofv3.yaml) or comma-separated metrics."),
     grid: str = typer.Option(..., help="shipped grid name or YAML file (cpa.sweep)."),
     out: str = typer.Option(..., help="parquet: one row per (point, variant) with the portable metrics."),
     points: Optional[str] = typer.Option(None, help="comma-separated point indices of the grid (default: all)."),
@@ -601,9 +603,9 @@ def read_patterns(
                                 "at the same shape in the same run (fp16 cache only)."),
     load_only: Optional[str] = typer.Option(None, help="comma-separated -DCPA_LOAD_ONLY levels (1, 2) to time "
                                             "too: the kernel's loads alone, no math (with --kernel)."),
-    reader_shapes: Optional[str] = typer.Option(None, help="comma-separated reader shapes <blocks per "
-                                                "iteration>x<warps>, e.g. 2x8,16x8 (default: 1-16 blocks at 4 "
-                                                "and 8 warps)."),
+    reader_shapes: Optional[str] = typer.Option(None, help="comma-separated reader shapes BLOCKSxWARPS "
+                                                "(physical blocks per iteration x warps), e.g. 2x8,16x8 "
+                                                "(default: 1-16 blocks at 4 and 8 warps)."),
 ) -> None:
     """Read a decode step's K/V bytes with a plain streaming reader in the contiguous layout,
     the paged layout one KV head per program, and the paged layout whole physical blocks per
