@@ -1,7 +1,8 @@
-"""The ``cpa compare`` command and ``python -m cpa``."""
+"""The CLI: ``cpa compare``, ``python -m cpa``, bad input as usage errors, the help texts."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,16 @@ import torch
 from typer.testing import CliRunner
 
 from cpa.cli import app
+
+
+def _plain(text: str) -> str:
+    # typer forces colour where FORCE_COLOR, PY_COLORS or GITHUB_ACTIONS is set
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+def _words(text: str) -> list:
+    # the rendered help: box drawing, markdown's code backticks and line wrapping are layout
+    return re.sub(r"[│╭╮╰╯─]+", " ", _plain(text).replace("`", "")).split()
 
 
 def test_compare_small():
@@ -120,7 +131,7 @@ def test_bad_input_is_a_usage_error_not_a_traceback(tmp_path, args, message):
     code 2 and one message -- before any long work, and never a Python traceback."""
     args = [a.format(tmp=tmp_path, blocked=_blocked_path(tmp_path, "x.out")) for a in args]
     res = CliRunner().invoke(app, args)
-    text = " ".join(res.output.replace("│", " ").split())  # (typer's error box wraps lines)
+    text = " ".join(_words(res.output))  # (typer's error box wraps lines)
     assert res.exit_code == 2, res.output
     assert message in text and "Traceback" not in res.output, res.output
 
@@ -149,13 +160,6 @@ def test_prebuild_exits_nonzero_when_a_variant_fails(monkeypatch):
     assert CliRunner().invoke(app, ["prebuild", "--grid", "bench"]).exit_code == 0
 
 
-def _words(text: str) -> list:
-    import re
-
-    # the rendered help: box drawing, markdown's code backticks and line wrapping are layout
-    return re.sub(r"[│╭╮╰╯─]+", " ", text.replace("`", "")).split()
-
-
 def test_help_shows_every_word_of_every_help_text():
     """Every command's docstring and every option's help reach ``--help`` whole: the markdown
     markup mode (which joins a summary's hard-wrapped lines) would drop an ``<angle>`` word as
@@ -182,7 +186,7 @@ def test_command_list_gives_each_summary_one_row():
 
     res = CliRunner().invoke(app, ["--help"], terminal_width=400, env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
-    rows = [line for line in res.output.splitlines() if line.startswith("│")]
+    rows = [line for line in _plain(res.output).splitlines() if line.startswith("│")]
     group = typer.main.get_command(app)
     for name, cmd in group.commands.items():
         summary = " ".join(_words(cmd.help.split("\n\n")[0]))
