@@ -155,18 +155,25 @@ def test_prebuild_exits_nonzero_when_a_variant_fails(monkeypatch):
     assert CliRunner().invoke(app, ["prebuild", "--grid", "bench"]).exit_code == 0
 
 
+def _commands() -> dict:
+    import typer.main
+
+    return typer.main.get_command(app).commands
+
+
+def _wide_help(*args) -> str:
+    """``cpa ARGS --help`` at 400 columns, so that no summary needs wrapping."""
+    res = CliRunner().invoke(app, [*args, "--help"], terminal_width=400, env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
 def test_help_shows_every_word_of_every_help_text():
     """Every command's docstring and every option's help reach ``--help`` whole: the markdown
     markup mode (which joins a summary's hard-wrapped lines) would drop an ``<angle>`` word as
     an HTML tag."""
-    import typer.main
-
-    group = typer.main.get_command(app)
-    runner = CliRunner()
-    for name, cmd in group.commands.items():
-        res = runner.invoke(app, [name, "--help"], terminal_width=400, env={"COLUMNS": "400"})
-        assert res.exit_code == 0, res.output
-        shown = " ".join(_words(res.output))
+    for name, cmd in _commands().items():
+        shown = " ".join(_words(_wide_help(name)))
         texts = [cmd.help or ""] + [p.help for p in cmd.params if getattr(p, "help", None)]
         for text in texts:
             for para in text.split("\n\n"):
@@ -177,13 +184,8 @@ def test_help_shows_every_word_of_every_help_text():
 def test_command_list_gives_each_summary_one_row():
     """``cpa --help`` lists each command with its docstring's first paragraph on one row at a
     wide terminal: the hard wraps of the source are not kept."""
-    import typer.main
-
-    res = CliRunner().invoke(app, ["--help"], terminal_width=400, env={"COLUMNS": "400"})
-    assert res.exit_code == 0, res.output
-    rows = [line for line in res.output.splitlines() if line.startswith("│")]
-    group = typer.main.get_command(app)
-    for name, cmd in group.commands.items():
+    rows = [line for line in _wide_help().splitlines() if line.startswith("│")]
+    for name, cmd in _commands().items():
         summary = " ".join(_words(cmd.help.split("\n\n")[0]))
         row = [r for r in rows if r.split()[1:2] == [name]]
         assert len(row) == 1, f"{name}: {row}"
