@@ -302,18 +302,19 @@ PYEOF
         | grep -A25 "best_us" | head -20
       ;;
     sweep:*)
-      # one named grid into $OUT/sweeps (resuming what data/sweeps already holds for it)
+      # one named grid into $OUT/sweeps (resuming what data/sweeps already holds for it); files
+      # are named by the card (h200-*, or h100-* under CPA_ALLOW_OTHER_GPU), so a run on another
+      # card neither resumes nor adds to an H200 table or its ceilings
       g=${step#sweep:}; mkdir -p "$OUT/sweeps"
-      f="$OUT/sweeps/h200-$g.parquet"
+      f="$OUT/sweeps/$GPU_TAG-$g.parquet"; cj="$GPU_TAG-ceilings.json"
       # CPA_SWEEP_FRESH=1: every row again at this commit (else resume what is shipped)
-      [ -z "${CPA_SWEEP_FRESH:-}" ] && [ -f "data/sweeps/h200-$g.parquet" ] && cp "data/sweeps/h200-$g.parquet" "$f"
-      [ -f data/sweeps/h200-ceilings.json ] && [ ! -f "$OUT/sweeps/h200-ceilings.json" ] && \
-        cp data/sweeps/h200-ceilings.json "$OUT/sweeps/"
+      [ -z "${CPA_SWEEP_FRESH:-}" ] && [ -f "data/sweeps/$GPU_TAG-$g.parquet" ] && cp "data/sweeps/$GPU_TAG-$g.parquet" "$f"
+      [ -f "data/sweeps/$cj" ] && [ ! -f "$OUT/sweeps/$cj" ] && cp "data/sweeps/$cj" "$OUT/sweeps/"
       t0=$SECONDS
-      CPA_COMMAND="python3 -m cpa sweep --grid $g --out data/sweeps/h200-$g.parquet --resume --ceilings-json data/sweeps/h200-ceilings.json" \
+      CPA_COMMAND="python3 -m cpa sweep --grid $g --out data/sweeps/$GPU_TAG-$g.parquet --resume --ceilings-json data/sweeps/$cj" \
         timeout ${CPA_SWEEP_TIMEOUT:-540} $PY -m cpa sweep --grid "$g" --out "$f" --resume --no-progress \
-        --ceilings-json "$OUT/sweeps/h200-ceilings.json" > "$OUT/sweeps/h200-$g.log" 2>&1
-      echo "sweep $g rc=$? wall $((SECONDS - t0)) s"; grep -v "^sweep: prebuilt\|Warning" "$OUT/sweeps/h200-$g.log" | tail -70
+        --ceilings-json "$OUT/sweeps/$cj" > "$OUT/sweeps/$GPU_TAG-$g.log" 2>&1
+      echo "sweep $g rc=$? wall $((SECONDS - t0)) s"; grep -v "^sweep: prebuilt\|Warning" "$OUT/sweeps/$GPU_TAG-$g.log" | tail -70
       ;;
     repeat)
       # the same rows twice: timing repeatability (medians within 3%?)
