@@ -114,6 +114,22 @@ def sweep_tables(mode: str | None = None) -> tuple[str, list[Path]]:
     return "shipped", sorted(SHIPPED.glob("h200-*.parquet"))
 
 
+def shipped_sweep_on(grid: str, gpu: str) -> SweepData:
+    """A grid's shipped run on another card (``gpu``: the file prefix, e.g. "h100"), kept in
+    data/sweeps/experiments as ``<gpu>-<grid>-<commit>.parquet``; the newest run where there are
+    several. Measured on that card: compare it with the H200 tables only shape by shape."""
+    from . import sweep as S
+
+    found = []
+    for path in sorted((SHIPPED / "experiments").glob(f"{gpu}-{grid}-*.parquet")):
+        df, meta = S.read_results(path)
+        found.append((df.timestamp.max(), path, df, meta))
+    if not found:
+        raise FileNotFoundError(f"no shipped {gpu} sweep of grid {grid!r} in {SHIPPED / 'experiments'}")
+    _, path, df, meta = max(found, key=lambda f: f[0])
+    return SweepData(grid, df, "shipped", path, meta["runs"])
+
+
 def shipped_sweep_at(grid: str, commits) -> SweepData:
     """The shipped table of a grid whose CPA rows were measured at one of ``commits`` (full or
     abbreviated hashes): the current file, else the earlier run kept in data/sweeps/experiments.

@@ -672,7 +672,7 @@ def _kernel_rows(df):
 
 
 def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None, resident_per_sm=None,
-                    fused: bool = False):
+                    fused: bool = False, model=None):
     """What the shape-chosen default (cpa.variants BY_SHAPE) picks for each measured shape of a
     bench CSV or sweep table, and how its measured time compares with the shape's best.
 
@@ -688,14 +688,16 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
     shared memory; cpa.occupancy.resident_workgroups). `compute_units` defaults to the arch's
     device (cpa.hardware). Returns one row per shape: the choice, its time, the best time of
     any CPA row of the shape and which variant that was, slowdown = choice / best. The
-    candidates are cpa.variants.partition_candidates less the sizes the table did not measure."""
+    candidates are cpa.variants.partition_candidates less the sizes the table did not measure.
+    `model`: a cpa.occupancy.WaveModel to pick with instead of the arch's (SHAPE_MODELS), e.g.
+    one refitted to another card's table (:func:`refit_shape_model`)."""
     import pandas as pd
 
     from . import hardware as hw
     from . import occupancy as O
     from . import variants as V
 
-    model = O.shape_model(arch)
+    model = model or O.shape_model(arch)
     if model is None:
         raise ValueError(f"no wave model for arch {arch!r} (cpa.variants.SHAPE_MODELS)")
     spec = hw.spec_for(arch)
@@ -735,6 +737,69 @@ def by_shape_choice(df, arch: str = "sm_90", *, compute_units: int | None = None
                          time_us=t,
                          best=_variant_label(best), best_time_us=float(best.time_us),
                          slowdown=t / float(best.time_us)))
+    return pd.DataFrame(rows)
+
+
+def refit_shape_model(df, arch: str = "sm_90", *, tiling: str = "mfma16", source: str | None = None):
+    """The wave model refitted to one measured table (a sweep): its t_wave, t_reduce and
+    t_launch fitted (cpa.occupancy.fit_wave_model) to the verified `tiling` rows at every
+    partition size the table measured, with the table's own read ceiling (the median of its
+    rows' `read_gbps_ceiling`) and the arch's compiled occupancy (data/static). Returns
+    (model, the joined table with `time_us` and `model_us`), as notebook 02 fits SHAPE_MODELS."""
+    from . import occupancy as O
+    from .analysis import cpa_rows
+
+    rows = cpa_rows(df)
+    rows = rows[rows.tiling == tiling]
+    if rows.empty:
+        raise ValueError(f"refit_shape_model: no verified {tiling} rows")
+    shapes = [dict(num_seqs=int(b), num_heads=int(h), num_kv_heads=int(k), max_seq_len=int(c))
+              for b, h, k, c in rows[["num_seqs", "num_heads", "num_kv_heads", "max_seq_len"]]
+              .drop_duplicates().itertuples(index=False)]
+    sizes = sorted(int(p) for p in rows.partition_size.unique())
+    fixed = rows[["head_size", "block_size", "dtype", "kv_cache_dtype"]].drop_duplicates()
+    if len(fixed) != 1:
+        raise ValueError("refit_shape_model: the table mixes head sizes, block sizes or dtypes; fit one at a time")
+    (head, block, dtype, kv), = fixed.itertuples(index=False)
+    grid = O.grid_table(arch, shapes, tilings=[tiling], partition_sizes=sizes, head_size=int(head),
+                        block_size=int(block), dtype=dtype, kv_cache_dtype=kv)
+    ceiling = float(df.read_gbps_ceiling.dropna().median())
+    return O.fit_wave_model(grid, rows, ceiling * 1e9,
+                            source or f"{tiling} rows of a {len(shapes)}-shape table, {len(sizes)} partition sizes")
+
+
+def model_transfer(df, arch: str = "sm_90", *, tiling: str = "mfma16"):
+    """How the arch's shape-chosen default fares on a table measured on another card (e.g. an
+    H100 sweep against SHAPE_MODELS fitted on the H200): one row per rule, each against the
+    table's own per-shape best (any CPA row) -- the shape choice with the shipped model, the
+    shape choice with the model refitted to this table (:func:`refit_shape_model`), and the
+    table's best fixed partition size of `tiling`. Columns: rule, the model's constants (NaN for
+    the fixed size), geomean_slowdown, worst_slowdown, worst_shape ("batch x context"),
+    same_picks (shapes where the rule picks the shipped model's size) and shapes."""
+    import pandas as pd
+
+    from . import occupancy as O
+
+    shipped = O.shape_model(arch)
+    refit, fitted = refit_shape_model(df, arch, tiling=tiling)
+    base = by_shape_choice(df, arch)
+    single = O.single_choice(fitted, "time_us")
+    size = int(single.partition_size.iloc[0])
+    rules = [("shape-chosen, shipped model", shipped, base),
+             ("shape-chosen, refitted model", refit, by_shape_choice(df, arch, model=refit)),
+             (f"fixed {tiling} / {size}", None, fixed_choice(df, tiling, size))]
+    rows = []
+    for rule, model, t in rules:
+        worst = t.loc[t.slowdown.idxmax()]
+        picks = t.set_index(["num_seqs", "max_seq_len"]).partition_size
+        same = picks.eq(base.set_index(["num_seqs", "max_seq_len"]).partition_size.reindex(picks.index))
+        rows.append(dict(rule=rule, t_wave_us=model.t_wave_us if model else float("nan"),
+                         t_reduce_us=model.t_reduce_us if model else float("nan"),
+                         t_launch_us=model.t_launch_us if model else float("nan"),
+                         read_gbps=model.bw_bytes_per_s / 1e9 if model else float("nan"),
+                         geomean_slowdown=geomean(t.slowdown), worst_slowdown=float(worst.slowdown),
+                         worst_shape=f"{int(worst.num_seqs)} x {int(worst.max_seq_len)}",
+                         same_picks=int(same.sum()), shapes=len(t)))
     return pd.DataFrame(rows)
 
 
