@@ -263,3 +263,15 @@ def test_the_other_grids_on_the_h100(name):
         assert round(float(w.slowdown), 2) == 1.05
     text = (Path(__file__).resolve().parents[1] / "notebooks" / "02_occupancy.py").read_text()
     assert "within 0.6% of the H100's per-shape best" in text and "worst 1.05x, head 256 at 16 x 2k" in text
+
+
+def test_the_readme_quotes_the_rule_on_the_h100():
+    """README, "partition_size=None": the shape rule over the five H100 grids, in the order the
+    H200 numbers are quoted (llama70b-decode, kv-dtype, head-size, GQA, mixed lengths)."""
+    from cpa import analysis as A
+
+    order = ("llama70b-decode", "kv-dtype-scan", "head-size-scan", "gqa-scan", "mixed-lengths")
+    quoted = " / ".join(f"{B.geomean(B.by_shape_choice(A.shipped_sweep_on(g, 'h100').df).slowdown):.3f}x"
+                        for g in order)
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert f"the rule is {quoted} the H100's per-shape best" in readme, quoted
