@@ -774,7 +774,7 @@ def model_transfer(df, arch: str = "sm_90", *, tiling: str = "mfma16"):
     table's own per-shape best (any CPA row) -- the shape choice with the shipped model, the
     shape choice with the model refitted to this table (:func:`refit_shape_model`), and the
     table's best fixed partition size of `tiling`. Columns: rule, the model's constants (NaN for
-    the fixed size), geomean_slowdown, worst_slowdown, worst_shape ("batch x context"),
+    the fixed size), fixed_partition_size (NaN for the models), geomean_slowdown, worst_slowdown, worst_shape ("batch x context"),
     same_picks (shapes where the rule picks the shipped model's size) and shapes."""
     import pandas as pd
 
@@ -797,6 +797,7 @@ def model_transfer(df, arch: str = "sm_90", *, tiling: str = "mfma16"):
                          t_reduce_us=model.t_reduce_us if model else float("nan"),
                          t_launch_us=model.t_launch_us if model else float("nan"),
                          read_gbps=model.bw_bytes_per_s / 1e9 if model else float("nan"),
+                         fixed_partition_size=float("nan") if model else size,
                          geomean_slowdown=geomean(t.slowdown), worst_slowdown=float(worst.slowdown),
                          worst_shape=f"{int(worst.num_seqs)} x {int(worst.max_seq_len)}",
                          same_picks=int(same.sum()), shapes=len(t)))

@@ -283,7 +283,7 @@ h100 = A.shipped_sweep_on("llama70b-decode", "h100")
 display(Markdown(h100.banner()))
 transfer = B.model_transfer(h100.df)
 display(transfer.round(3))
-fixed_size = int(transfer.rule.iloc[-1].rsplit("/", 1)[1])
+fixed_size = int(transfer.fixed_partition_size.dropna().iloc[0])
 P.show(P.default_vs_fixed(B.by_shape_choice(h100.df), B.fixed_choice(h100.df, "mfma16", fixed_size),
                           title=f"H100 (measured): the shipped shape rule against a fixed {fixed_size}, "
                                 "time / per-shape best"))

@@ -195,6 +195,7 @@ def test_the_shape_rule_carries_to_the_h100():
     assert shipped.worst_shape == "4 x 2048" and shipped.same_picks == shipped.shapes == 54
     assert round(refit.geomean_slowdown, 3) == 1.010 and refit.same_picks == 52
     assert round(fixed.geomean_slowdown, 3) == 1.081 and round(fixed.worst_slowdown, 2) == 1.62
+    assert fixed.fixed_partition_size == 512 and t.fixed_partition_size.isna().sum() == 2
     assert 0.9 < refit.t_wave_us < 1.1 and 3.5 < refit.t_reduce_us < 4.5 and 3.0 < refit.t_launch_us < 4.0
     assert refit.t_wave_us < shipped.t_wave_us
     base = B.by_shape_choice(df).partition_size.tolist()
