@@ -17,6 +17,10 @@ SWEEPS = ROOT / "data" / "sweeps"
 EXPORTS = ROOT / "data" / "export"
 FIXED_LENGTH_SWEEPS = [SWEEPS / f"h200-{g}.parquet" for g in ("llama70b-decode", "gqa-scan", "head-size-scan",
                                                                  "kv-dtype-scan")]
+# the same four grids on an H100 (data/sweeps/README.md, "On an H100")
+H100_SWEEPS = [SWEEPS / "experiments" / f for f in ("h100-llama70b-decode-c7e79b8.parquet", "h100-gqa-scan-a1f9c4d.parquet",
+                                                     "h100-head-size-scan-a1f9c4d.parquet",
+                                                     "h100-kv-dtype-scan-a1f9c4d.parquet")]
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +213,7 @@ def test_cli_export(tmp_path):
 
 SHIPPED = {
     "h200-measured": lambda: E.from_table(pd.concat([pd.read_parquet(f) for f in FIXED_LENGTH_SWEEPS]), source="t"),
+    "h100-measured": lambda: E.from_table(pd.concat([pd.read_parquet(f) for f in H100_SWEEPS]), source="t"),
     "mi300x-modeled": lambda: E.from_model("gfx942"),
     "mi300x-modeled-256-512": lambda: E.from_model("gfx942", partition_sizes=[256, 512]),
 }
@@ -233,6 +238,9 @@ def test_shipped_exports_are_current(name):
     readme = (EXPORTS / "README.md").read_text()
     if name == "h200-measured":
         assert fixed == (512, "1.099", "1.76") and len(sizes) == 58 and min(sizes) == 128 and max(sizes) == 8192
+    elif name == "h100-measured":
+        assert fixed == (512, "1.080", "1.62") and len(sizes) == 56 and min(sizes) == 128 and max(sizes) == 8192
+        assert shipped["provenance"]["source_devices"] == ["NVIDIA H100 80GB HBM3"]
     elif name == "mi300x-modeled":
         assert fixed[:2] == (256, "1.148")
     else:
