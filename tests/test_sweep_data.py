@@ -24,6 +24,17 @@ PEERS = ("sdpa", "flex", "flashinfer")
 GRID_PEERS = {"kv-dtype-scan": ("sdpa", "flex")}
 
 
+def rows_of_grid(name: str, peers) -> set:
+    """The row keys a whole run of a named grid holds: every (point, variant) and one row per peer."""
+    grid = S.load_grid(name)
+    want = {S.row_key(p.point_id, v.tiling, v.partition_size) for p, v in grid.rows()}
+    return want | {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in peers}
+
+
+def rows_of_table(df) -> set:
+    return {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)}
+
+
 @pytest.fixture(scope="module", params=GRIDS)
 def shipped(request):
     path = DATA / f"h200-{request.param}.parquet"
@@ -35,12 +46,8 @@ def shipped(request):
 
 def test_every_row_of_the_grid_is_there_and_verified(shipped):
     name, df, meta = shipped
-    grid = S.load_grid(name)
     assert meta["schema_version"] == S.SCHEMA_VERSION
-    want = {S.row_key(p.point_id, v.tiling, v.partition_size) for p, v in grid.rows()}
-    want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in GRID_PEERS.get(name, PEERS)}
-    got = {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)}
-    assert got == want
+    assert rows_of_table(df) == rows_of_grid(name, GRID_PEERS.get(name, PEERS))
     # every CPA row verified; a peer may fail (compile error, out of memory) but says why
     cpa_rows = ~df.tiling.isin(PEERS)
     assert df[cpa_rows].verified.all() and df[cpa_rows].error.isna().all()
@@ -161,10 +168,7 @@ def test_the_h100_sweep_is_whole_but_for_two_points_that_do_not_fit():
     from cpa import analysis as A
 
     df, meta = S.read_results(H100_SWEEP)
-    grid = S.load_grid("llama70b-decode")
-    want = {S.row_key(p.point_id, v.tiling, v.partition_size) for p, v in grid.rows()}
-    want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in ("sdpa", "flex")}
-    assert {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)} == want
+    assert rows_of_table(df) == rows_of_grid("llama70b-decode", ("sdpa", "flex"))
     assert len(df) == 1456 and int(df.verified.sum()) == 1400
     big = (df.num_seqs == 256) & df.max_seq_len.isin([16384, 32768])
     assert not df[big].verified.any() and df[big].error.str.contains("OutOfMemoryError").all()
@@ -236,10 +240,7 @@ def test_the_other_grids_on_the_h100(name):
     data = A.shipped_sweep_on(name, "h100")
     df = data.df
     assert data.path.name == f"h100-{name}-a1f9c4d.parquet"
-    grid = S.load_grid(name)
-    want = {S.row_key(p.point_id, v.tiling, v.partition_size) for p, v in grid.rows()}
-    want |= {S.row_key(p.point_id, peer, 0) for p in grid.points for peer in ("sdpa", "flex")}
-    assert {S.row_key(a, b, c) for a, b, c in zip(df.point_id, df.tiling, df.partition_size)} == want
+    assert rows_of_table(df) == rows_of_grid(name, ("sdpa", "flex"))
     assert (df.device_name == "NVIDIA H100 80GB HBM3").all() and (df.driver_version == "580.159.04").all()
     assert (df.git_commit == "a1f9c4dcc556aeea10fbaac04448108b0b3e727e").all()
     assert df.command.str.contains(f"--grid {name} ").all()
