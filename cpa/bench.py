@@ -774,8 +774,9 @@ def model_transfer(df, arch: str = "sm_90", *, tiling: str = "mfma16"):
     table's own per-shape best (any CPA row) -- the shape choice with the shipped model, the
     shape choice with the model refitted to this table (:func:`refit_shape_model`), and the
     table's best fixed partition size of `tiling`. Columns: rule, the model's constants (NaN for
-    the fixed size), fixed_partition_size (NaN for the models), geomean_slowdown, worst_slowdown, worst_shape ("batch x context"),
-    same_picks (shapes where the rule picks the shipped model's size) and shapes."""
+    the fixed size), fixed_partition_size (NaN for the models), geomean_slowdown,
+    worst_slowdown, worst_shape ("batch x context"), same_picks (shapes where the rule picks
+    the shipped model's size) and shapes."""
     import pandas as pd
 
     from . import occupancy as O

@@ -18,7 +18,8 @@ EXPORTS = ROOT / "data" / "export"
 FIXED_LENGTH_SWEEPS = [SWEEPS / f"h200-{g}.parquet" for g in ("llama70b-decode", "gqa-scan", "head-size-scan",
                                                                  "kv-dtype-scan")]
 # the same four grids on an H100 (data/sweeps/README.md, "On an H100")
-H100_SWEEPS = [SWEEPS / "experiments" / f for f in ("h100-llama70b-decode-c7e79b8.parquet", "h100-gqa-scan-a1f9c4d.parquet",
+H100_SWEEPS = [SWEEPS / "experiments" / f for f in ("h100-llama70b-decode-c7e79b8.parquet",
+                                                     "h100-gqa-scan-a1f9c4d.parquet",
                                                      "h100-head-size-scan-a1f9c4d.parquet",
                                                      "h100-kv-dtype-scan-a1f9c4d.parquet")]
 
