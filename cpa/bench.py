@@ -51,6 +51,10 @@ class DeviceSets:
     seq_lens: object
     scale: float
     kv_bytes_per_set: int
+    # the caches' fp8 scales (1 for make_sets' caches and _fp8_sets'; an fp8 point timed on its
+    # verification inputs keeps theirs)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 BLOCK_ORDERS = ("shuffled", "sequential")

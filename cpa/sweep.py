@@ -72,7 +72,8 @@ at most the row in flight; ``--resume`` compacts what is there (ignoring, and re
 Runners
 -------
 What is timed is pluggable (:class:`Runner`): :class:`CudaRunner` (the CPA kernel and the
-peers, CUDA-graph replay over rotating input sets with ``cpa.timing.time_graph``) and
+peers, CUDA-graph replay over rotating input sets with ``cpa.timing.time_graph``; a point
+too large for a second set is timed on its verification inputs, ``times_on_inputs``) and
 :class:`ReferenceRunner` (the torch reference on the CPU as the timed op, host timer; for
 tests and CI). ``cpa sweep --runner module:attr`` loads any other.
 """
@@ -669,7 +670,8 @@ class CudaPointState:
 
     inputs: fresh verification inputs (``make_paged_inputs``: garbage block-table tails, NaN
     in unused cache slots); ref: the reference output for them; sets: the timing sets
-    (``cpa.bench.make_sets``: one KV pool >= 1 GiB, disjoint block tables per set).
+    (``cpa.bench.make_sets``: one KV pool >= 1 GiB, disjoint block tables per set; or, where
+    that pool would hold one set, the inputs themselves: ``times_on_inputs``).
     """
 
     point: Point
@@ -747,16 +749,20 @@ class CudaRunner:
                                 point.block_size, list(point.seq_lens), dtype=dt, kv_cache_dtype=point.kv_cache_dtype,
                                 seed=seed, device="cuda")
         ref = reference.paged_attention(**inp.as_kwargs())
-        # make_sets gives every sequence max_seq_len tokens of blocks; shorter sequences of a
-        # mixed point just use a prefix of their row (and the pool stays >= 1 GiB)
-        sets = make_sets(point.num_seqs, point.max_seq_len, num_heads=point.num_heads,
-                         num_kv_heads=point.num_kv_heads, head_size=point.head_size, block_size=point.block_size,
-                         dtype=dt, seed=seed + 1)
-        if not point.fixed_length:
-            sets = dataclasses.replace(sets, seq_lens=torch.tensor(point.seq_lens, dtype=torch.int32, device="cuda"),
-                                       kv_bytes_per_set=point.kv_bytes)
-        if point.kv_cache_dtype == "fp8":
-            sets = _fp8_sets(sets)
+        if times_on_inputs(point, inp):
+            sets = sets_of_inputs(point, inp)
+        else:
+            # make_sets gives every sequence max_seq_len tokens of blocks; shorter sequences of a
+            # mixed point just use a prefix of their row (and the pool stays >= 1 GiB)
+            sets = make_sets(point.num_seqs, point.max_seq_len, num_heads=point.num_heads,
+                             num_kv_heads=point.num_kv_heads, head_size=point.head_size, block_size=point.block_size,
+                             dtype=dt, seed=seed + 1)
+            if not point.fixed_length:
+                sets = dataclasses.replace(sets, seq_lens=torch.tensor(point.seq_lens, dtype=torch.int32,
+                                                                       device="cuda"),
+                                           kv_bytes_per_set=point.kv_bytes)
+            if point.kv_cache_dtype == "fp8":
+                sets = _fp8_sets(sets)
         torch.cuda.synchronize()
         return CudaPointState(point, inp, ref, reference.REL_ERR_TOL[dt], sets, self.replays)
 
@@ -782,7 +788,7 @@ class CudaRunner:
             launches = [prepare(query=q, key_cache=sets.key_cache, value_cache=sets.value_cache, block_tables=bt,
                                 seq_lens=sets.seq_lens, scale=sets.scale, partition_size=variant.partition_size,
                                 tiling=variant.tiling, max_seq_len=pt.max_seq_len, check_values=(i == 0),
-                                **launch_kwargs(pt))
+                                **launch_kwargs(pt, sets))
                         for i, (q, bt) in enumerate(zip(sets.queries, sets.block_tables))]
         except ValueError as e:  # not a variant of this platform / shape
             raise Unsupported(f"{UNSUPPORTED}: {e}") from None
@@ -842,13 +848,41 @@ class CudaRunner:
 TWO_KERNELS = dict(fused_reduce=False, cluster_reduce=False)
 
 
-def launch_kwargs(point) -> dict:
+def launch_kwargs(point, sets=None) -> dict:
     """prepare()'s options for a point's timing sets (and profiling/harness.py's launches): the
-    reduce as its own launch, and with an fp8 cache its dtype and scales 1 (`_fp8_sets`)."""
+    reduce as its own launch, and with an fp8 cache its dtype and the sets' scales (1 for
+    `_fp8_sets`' caches, the default without ``sets``)."""
     kw = dict(TWO_KERNELS)
     if point.kv_cache_dtype == "fp8":
-        kw.update(kv_cache_dtype="fp8", k_scale=1.0, v_scale=1.0)
+        kw.update(kv_cache_dtype="fp8", k_scale=float(getattr(sets, "k_scale", 1.0)),
+                  v_scale=float(getattr(sets, "v_scale", 1.0)))
     return kw
+
+
+def times_on_inputs(point, inputs) -> bool:
+    """Whether a point is timed on its verification inputs instead of its own timing sets.
+
+    Where make_sets would draw a single set (the point's K/V is at least half the 1 GiB pool),
+    that set is a second copy of the point's K/V for nothing: the verification inputs are as
+    random, as shuffled and as far past the L2, and timing on them halves the point's memory
+    (256 x 32k at head 128 then fits an 80 GB card beside SDPA's contiguous copy). Only where
+    the inputs' own caches cover the pool (POOL_BYTES), so that no point is timed from the L2."""
+    from .bench import POOL_BYTES, pool_size
+
+    # (as make_sets counts: an fp8 point's sets are drawn in the query's dtype, then converted)
+    block_bytes = 2 * point.num_kv_heads * point.head_size * point.block_size * point.torch_dtype().itemsize
+    _, n_sets = pool_size(point.num_seqs, -(-point.max_seq_len // point.block_size), block_bytes)
+    cache_bytes = inputs.key_cache.nbytes + inputs.value_cache.nbytes
+    return n_sets == 1 and cache_bytes >= POOL_BYTES
+
+
+def sets_of_inputs(point, inputs):
+    """The verification inputs as the point's one timing set (see ``times_on_inputs``)."""
+    from .bench import DeviceSets
+
+    return DeviceSets(inputs.key_cache, inputs.value_cache, [inputs.query], [inputs.block_tables],
+                      inputs.seq_lens, inputs.scale, point.kv_bytes, k_scale=inputs.k_scale,
+                      v_scale=inputs.v_scale)
 
 
 def _fp8_sets(sets):
@@ -1349,6 +1383,7 @@ def _run_row(runner: Runner, state, v: RowVariant) -> dict:
         res["error"] = str(e)[:500]
     except Exception as e:  # recorded in the table; the sweep goes on
         res["error"] = f"{type(e).__name__}: {e}"[:500]
+        release_frames(e)
     finally:
         if built is not None:
             try:
@@ -1356,6 +1391,22 @@ def _run_row(runner: Runner, state, v: RowVariant) -> dict:
             except Exception:
                 pass
     return res
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in ``exc``'s tracebacks (and its causes').
+
+    A failed row must not keep its point's tensors: torch.compile keeps a failed compile's
+    exception (flex_attention's inductor errors at >= 2^31-element K/V, measured on an H100),
+    and its traceback's frames hold the peer's K/V copies and the point's inputs, 34 GB at
+    256 x 16k, until the next failure replaces it: the next points then ran out of memory."""
+    import traceback
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _row(base: dict, pt: Point, v: RowVariant, res: dict, read_gbps: float, timestamp: str) -> dict:

@@ -310,9 +310,11 @@ PYEOF
       # CPA_SWEEP_FRESH=1: every row again at this commit (else resume what is shipped)
       [ -z "${CPA_SWEEP_FRESH:-}" ] && [ -f "data/sweeps/$GPU_TAG-$g.parquet" ] && cp "data/sweeps/$GPU_TAG-$g.parquet" "$f"
       [ -f "data/sweeps/$cj" ] && [ ! -f "$OUT/sweeps/$cj" ] && cp "data/sweeps/$cj" "$OUT/sweeps/"
-      t0=$SECONDS
-      CPA_COMMAND="python3 -m cpa sweep --grid $g --out data/sweeps/$GPU_TAG-$g.parquet --resume --ceilings-json data/sweeps/$cj" \
-        timeout ${CPA_SWEEP_TIMEOUT:-540} $PY -m cpa sweep --grid "$g" --out "$f" --resume --no-progress \
+      t0=$SECONDS; retry=""
+      # CPA_SWEEP_RETRY=1: the resumed table's failed rows (errors, not unsupported variants) again
+      [ -n "${CPA_SWEEP_RETRY:-}" ] && retry="--retry-errors"
+      CPA_COMMAND="python3 -m cpa sweep --grid $g --out data/sweeps/$GPU_TAG-$g.parquet --resume $retry --ceilings-json data/sweeps/$cj" \
+        timeout ${CPA_SWEEP_TIMEOUT:-540} $PY -m cpa sweep --grid "$g" --out "$f" --resume $retry --no-progress \
         --ceilings-json "$OUT/sweeps/$cj" > "$OUT/sweeps/$GPU_TAG-$g.log" 2>&1
       echo "sweep $g rc=$? wall $((SECONDS - t0)) s"; grep -v "^sweep: prebuilt\|Warning" "$OUT/sweeps/$GPU_TAG-$g.log" | tail -70
       ;;

@@ -53,3 +53,14 @@ def test_sweep_on_another_card_needs_the_opt_in(tmp_path):
     r, calls = _run(tmp_path, "NVIDIA H100 80GB HBM3")
     assert r.returncode == 0 and calls == ""
     assert "skipped: 'NVIDIA H100 80GB HBM3' is not an H200" in r.stdout
+
+
+@pytest.mark.parametrize("retry", ["", "1"])
+def test_sweep_retries_failed_rows_on_request(tmp_path, retry):
+    r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_SWEEP_FRESH", "1"), ("CPA_SWEEP_RETRY", retry))
+    assert r.returncode == 0, r.stderr
+    args = [line for line in calls.splitlines() if line.startswith("ARGS ")]
+    command = [line for line in calls.splitlines() if line.startswith("COMMAND ")]
+    assert len(args) == len(command) == 1 and "--resume" in args[0]
+    # the run and the provenance it records say the same
+    assert ("--retry-errors" in args[0]) == ("--retry-errors" in command[0]) == bool(retry)

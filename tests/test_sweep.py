@@ -3,6 +3,7 @@ parquet results, and crash safety (injected crash, kill -9, corrupt journal / pa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -196,6 +198,41 @@ def test_unknown_grid_name():
         S.load_grid("no-such-grid")
 
 
+def test_large_points_are_timed_on_their_verification_inputs():
+    from types import SimpleNamespace
+
+    from cpa.bench import POOL_BYTES
+    from cpa.inputs import make_paged_inputs
+
+    def cache(nbytes):  # only the caches' sizes matter
+        return SimpleNamespace(key_cache=SimpleNamespace(nbytes=nbytes // 2), value_cache=SimpleNamespace(nbytes=nbytes // 2))
+
+    llama = dict(num_heads=64, num_kv_heads=8, head_size=128, block_size=16)
+    big = S.make_point(dict(num_seqs=256, max_seq_len=32768, **llama))
+    assert big.kv_bytes == 256 * 32768 * 8 * 128 * 2 * 2
+    assert S.times_on_inputs(big, cache(int(big.kv_bytes * 1.1)))
+    # below half the pool, make_sets draws several disjoint sets: the point keeps them
+    small = S.make_point(dict(num_seqs=8, max_seq_len=8192, **llama))  # 268 MB of K/V
+    assert not S.times_on_inputs(small, cache(int(small.kv_bytes * 1.1)))
+    # one set, but the inputs alone would not cover the pool: timed on make_sets' 1 GiB pool
+    assert not S.times_on_inputs(S.make_point(dict(num_seqs=16, max_seq_len=8192, **llama)), cache(POOL_BYTES))
+    three_q = S.make_point(dict(num_seqs=24, max_seq_len=8192, **llama))  # 768 MiB: make_sets' one set
+    assert not S.times_on_inputs(three_q, cache(int(three_q.kv_bytes * 1.1)))
+    assert S.times_on_inputs(three_q, cache(POOL_BYTES))
+    # a mixed point's sets give every sequence max_seq_len; its inputs hold the real lengths
+    mixed = S.make_point(dict(num_seqs=64, seq_lens=[32768] + [128] * 63, **llama))
+    assert not S.times_on_inputs(mixed, cache(int(mixed.kv_bytes * 1.1)))
+    # fp8: counted as make_sets draws it (in the query's dtype); the scales go to the launch
+    f8 = S.make_point(dict(num_seqs=1, max_seq_len=100, kv_cache_dtype="fp8", **llama))
+    inp = make_paged_inputs(1, 64, 8, 128, 16, 100, dtype=torch.float16, kv_cache_dtype="fp8", seed=3)
+    sets = S.sets_of_inputs(f8, inp)
+    assert sets.key_cache is inp.key_cache and sets.queries[0] is inp.query and sets.block_tables[0] is inp.block_tables
+    assert sets.kv_bytes_per_set == f8.kv_bytes and sets.scale == inp.scale
+    kw = S.launch_kwargs(f8, sets)
+    assert kw["kv_cache_dtype"] == "fp8" and (kw["k_scale"], kw["v_scale"]) == (inp.k_scale, inp.v_scale) != (1.0, 1.0)
+    assert (S.launch_kwargs(f8)["k_scale"], S.launch_kwargs(f8)["v_scale"]) == (1.0, 1.0)
+
+
 def test_bytes_accounting_matches_bench():
     pt = S.make_point(dict(num_seqs=8, num_heads=64, num_kv_heads=8, head_size=128, block_size=16, max_seq_len=2048))
     S_, H, D, kvh, L = 8, 64, 128, 8, 2048
@@ -253,6 +290,45 @@ def test_poisoned_output_buffer_catches_unwritten_rows(tmp_path, tiny):
     ran = df[df.error.isna()]
     assert len(ran) == 24 and not ran.verified.any()
     assert (ran.max_rel_err == float("inf")).all()
+
+
+_KEPT_ERRORS: list = []
+_ROW_COPIES: list = []
+
+
+class _KeptFailure(S.ReferenceRunner):
+    """A verify that fails the way a torch.compile'd peer does: the library keeps its exception,
+    raised while the point's cache and a per-row copy of it are locals (flex_attention at
+    >= 2^31-element K/V, H100)."""
+
+    def verify(self, state, built):
+        cache = state.kwargs["key_cache"]
+        copy = cache.clone()  # a peer's contiguous K/V copy
+        _ROW_COPIES.append(weakref.ref(copy))
+        try:
+            raise RuntimeError("compile failed")
+        except RuntimeError as e:
+            _KEPT_ERRORS.append(e)
+            raise
+
+    def close_point(self, state):  # as CudaRunner: the point's tensors go with the point
+        state.kwargs = state.ref = None
+
+
+def test_failed_row_keeps_no_point_data():
+    r = _KeptFailure(replays=1)
+    r.begin()
+    pt = S.make_point(dict(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_seq_len=40))
+    state = r.open_point(pt, seed=1)
+    cache = weakref.ref(state.kwargs["key_cache"])
+    res = S._run_row(r, state, S.RowVariant("mfma16", 64))
+    assert res["error"] == "RuntimeError: compile failed" and not res["verified"]
+    gc.collect()
+    assert _ROW_COPIES[-1]() is None, "a failed row's exception still holds the row's copy"
+    r.close_point(state)
+    gc.collect()
+    assert cache() is None, "a failed row's exception still holds the point's cache"
+    _KEPT_ERRORS.clear()
 
 
 # ==================================================================================== results

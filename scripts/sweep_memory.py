@@ -1,0 +1,55 @@
+"""Device memory and timing of the sweep's point set-up (a diagnostic; prints a table).
+
+  python3 scripts/sweep_memory.py leak 256x8192,256x16384   memory after each row and point
+  python3 scripts/sweep_memory.py ab 32x8192,128x32768      one variant and SDPA timed on make_sets'
+                                                            sets and on the verification inputs, alternated
+"""
+import gc
+import sys
+
+import torch
+
+from cpa import sweep as S
+
+GiB = 1 << 30
+mode = sys.argv[1]
+shapes = [tuple(map(int, s.split("x"))) for s in sys.argv[2].split(",")]
+grid = S.load_grid("llama70b-decode")
+pts = [p for p in grid.points if (p.num_seqs, p.max_seq_len) in shapes]
+runner = S.make_runner("cuda")
+runner.begin()
+peers, skipped = runner.peer_variants()
+cpa_vs = [S.RowVariant("mfma16", 512)] if mode == "ab" else \
+    [S.RowVariant(t, p) for t in ("mfma16", "mfma4", "scalar") for p in (256, 1024)]
+vs = cpa_vs + [p for p in peers if mode != "ab" or p.tiling == "sdpa"]
+print(runner.prebuild([(pt, v) for pt in pts for v in cpa_vs]), flush=True)
+on_inputs = S.times_on_inputs
+
+
+def mem(tag):
+    torch.cuda.synchronize()
+    print(f"{tag:58s} alloc {torch.cuda.memory_allocated() / GiB:6.2f} GiB  peak {torch.cuda.max_memory_allocated() / GiB:6.2f}",
+          flush=True)
+
+
+for pt in pts:
+    for rep, shared in ([(0, False), (0, True), (1, False), (1, True)] if mode == "ab" else [(0, None)]):
+        if shared is not None:
+            S.times_on_inputs = (lambda p, i: True) if shared else (lambda p, i: False)
+        torch.cuda.reset_peak_memory_stats()
+        st = runner.open_point(pt, grid.point_seed(pt))
+        S.times_on_inputs = on_inputs
+        mem(f"open {pt.point_id} {'' if shared is None else ('inputs' if shared else 'sets')}")
+        for v in vs:
+            res = S._run_row(runner, st, v)
+            err = res.get("error")
+            print(f"  {pt.num_seqs}x{pt.max_seq_len} rep {rep} {'inputs' if shared else 'sets':6s} {v.label:12s} "
+                  f"{'ERR ' + err[:50] if err else ''} time_us {res.get('time_us', float('nan')):9.2f} "
+                  f"verified {res.get('verified')} n_sets {res.get('n_sets')}", flush=True)
+            if mode != "ab":
+                mem(f"    after {v.label}")
+        runner.close_point(st)
+        del st
+        gc.collect()
+        torch.cuda.empty_cache()
+        mem(f"closed {pt.point_id}")
