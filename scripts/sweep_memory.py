@@ -19,8 +19,7 @@ pts = [p for p in grid.points if (p.num_seqs, p.max_seq_len) in shapes]
 runner = S.make_runner("cuda")
 runner.begin()
 peers, skipped = runner.peer_variants()
-cpa_vs = [S.RowVariant("mfma16", 512)] if mode == "ab" else \
-    [S.RowVariant(t, p) for t in ("mfma16", "mfma4", "scalar") for p in (256, 1024)]
+cpa_vs = [S.RowVariant("mfma16", 512)]
 vs = cpa_vs + [p for p in peers if mode != "ab" or p.tiling == "sdpa"]
 print(runner.prebuild([(pt, v) for pt in pts for v in cpa_vs]), flush=True)
 on_inputs = S.times_on_inputs
