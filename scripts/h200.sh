@@ -2,7 +2,7 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async, hostcost, hostprofile, firstlaunch, placement,
-# ab-reduce, clusters, bench, target2, sweep:<grid>, repeat, profile, sass, readpattern, readpattern-shapes,
+# ab-reduce, clusters, bench, target2, sweep:<grid>, sweep-memory, repeat, profile, sass, readpattern, readpattern-shapes,
 # readpattern-arms.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -317,6 +317,13 @@ PYEOF
         timeout ${CPA_SWEEP_TIMEOUT:-540} $PY -m cpa sweep --grid "$g" --out "$f" --resume $retry --no-progress \
         --ceilings-json "$OUT/sweeps/$cj" > "$OUT/sweeps/$GPU_TAG-$g.log" 2>&1
       echo "sweep $g rc=$? wall $((SECONDS - t0)) s"; grep -v "^sweep: prebuilt\|Warning" "$OUT/sweeps/$GPU_TAG-$g.log" | tail -70
+      ;;
+    sweep-memory)
+      # the sweep's point set-up: timing on make_sets' sets against the verification inputs
+      # (same rows, alternated), then the memory left after each row and point where flex fails
+      for m in "ab 32x8192,64x32768" "leak 256x8192,256x16384"; do
+        timeout 200 $PY scripts/sweep_memory.py $m 2>&1 | grep -v "^E[0-9]\|FutureWarning\|return isinstance\|resource_tracker\|warnings.warn" | tail -30
+      done
       ;;
     repeat)
       # the same rows twice: timing repeatability (medians within 3%?)

@@ -23,6 +23,7 @@ cpa_vs = [S.RowVariant("mfma16", 512)]
 vs = cpa_vs + [p for p in peers if mode != "ab" or p.tiling == "sdpa"]
 print(runner.prebuild([(pt, v) for pt in pts for v in cpa_vs]), flush=True)
 on_inputs = S.times_on_inputs
+times = {}  # (point, variant, arm) -> [median us of each repetition]
 
 
 def mem(tag):
@@ -42,6 +43,8 @@ for pt in pts:
         for v in vs:
             res = S._run_row(runner, st, v)
             err = res.get("error")
+            if shared is not None and not err:
+                times.setdefault((pt.point_id, v.label, shared), []).append(res["time_us"])
             print(f"  {pt.num_seqs}x{pt.max_seq_len} rep {rep} {'inputs' if shared else 'sets':6s} {v.label:12s} "
                   f"{'ERR ' + err[:50] if err else ''} time_us {res.get('time_us', float('nan')):9.2f} "
                   f"verified {res.get('verified')} n_sets {res.get('n_sets')}", flush=True)
@@ -52,3 +55,12 @@ for pt in pts:
         gc.collect()
         torch.cuda.empty_cache()
         mem(f"closed {pt.point_id}")
+
+if times:
+    import statistics
+
+    print("point / variant: time on the verification inputs / time on make_sets' sets (median of the repetitions)")
+    for (pid, label, shared), ts in sorted(times.items()):
+        if shared and (pid, label, False) in times:
+            a, b = statistics.median(ts), statistics.median(times[(pid, label, False)])
+            print(f"  {pid} {label:12s} inputs {a:9.2f} us  sets {b:9.2f} us  ratio {a / b:.4f}")
