@@ -1394,19 +1394,25 @@ def _run_row(runner: Runner, state, v: RowVariant) -> dict:
 
 
 def release_frames(exc: BaseException) -> None:
-    """Clear the locals of every finished frame in ``exc``'s tracebacks (and its causes').
+    """Clear the locals of every finished frame in ``exc``'s tracebacks (and its causes' and
+    contexts').
 
-    A failed row must not keep its point's tensors: torch.compile keeps a failed compile's
-    exception (flex_attention's inductor errors at >= 2^31-element K/V, measured on an H100),
-    and its traceback's frames hold the peer's K/V copies and the point's inputs, 34 GB at
-    256 x 16k, until the next failure replaces it: the next points then ran out of memory."""
+    A failed row must not keep its point's tensors. On an H100 (af48162), a FlexAttention row
+    whose Inductor compile failed in a subprocess (K/V of >= 2^31 elements) left the point's
+    inputs and the row's K/V copies allocated after the point closed and after gc -- 33.6 GiB
+    at 256 x 16k -- until the next such failure: torch keeps the failure somewhere (not pinned
+    down), and the frames of its traceback hold those tensors as locals. Clearing the frames
+    drops them whoever holds the exception (tests/test_sweep.py; not yet run on a GPU)."""
     import traceback
 
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def _row(base: dict, pt: Point, v: RowVariant, res: dict, read_gbps: float, timestamp: str) -> dict:
