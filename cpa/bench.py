@@ -88,6 +88,13 @@ def block_tables(pool, num_seqs, blocks_per_seq, n_sets, block_order, generator)
             for i in range(n_sets)]
 
 
+def sets_layout(num_seqs, seq_len, *, num_kv_heads, head_size, block_size, dtype) -> tuple[int, int, int]:
+    """(blocks per sequence, physical blocks in the pool, input sets) that make_sets draws for a
+    shape (``dtype``: the caches' torch dtype)."""
+    bps = math.ceil(seq_len / block_size)
+    return (bps, *pool_size(num_seqs, bps, 2 * num_kv_heads * head_size * block_size * dtype.itemsize))
+
+
 def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0,
               block_order="shuffled") -> DeviceSets:
     """``block_order``: "shuffled" (each sequence's blocks drawn at random from the pool, as a
@@ -98,10 +105,10 @@ def make_sets(num_seqs, seq_len, *, num_heads, num_kv_heads, head_size, block_si
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    elem = torch.finfo(dtype).bits // 8
+    elem = dtype.itemsize
     x = 16 // elem
-    bps = math.ceil(seq_len / block_size)
-    pool, n_sets = pool_size(num_seqs, bps, 2 * num_kv_heads * head_size * block_size * elem)
+    bps, pool, n_sets = sets_layout(num_seqs, seq_len, num_kv_heads=num_kv_heads, head_size=head_size,
+                                    block_size=block_size, dtype=dtype)
     kc = torch.randn(pool, num_kv_heads, head_size // x, block_size, x, device="cuda", dtype=dtype, generator=g)
     vc = torch.randn(pool, num_kv_heads, head_size, block_size, device="cuda", dtype=dtype, generator=g)
     bts = block_tables(pool, num_seqs, bps, n_sets, block_order, g)

@@ -867,11 +867,11 @@ def times_on_inputs(point, inputs) -> bool:
     random, as shuffled and as far past the L2, and timing on them halves the point's memory
     (256 x 32k at head 128 then fits an 80 GB card beside SDPA's contiguous copy). Only where
     the inputs' own caches cover the pool (POOL_BYTES), so that no point is timed from the L2."""
-    from .bench import POOL_BYTES, pool_size
+    from .bench import POOL_BYTES, sets_layout
 
-    # (as make_sets counts: an fp8 point's sets are drawn in the query's dtype, then converted)
-    block_bytes = 2 * point.num_kv_heads * point.head_size * point.block_size * point.torch_dtype().itemsize
-    _, n_sets = pool_size(point.num_seqs, -(-point.max_seq_len // point.block_size), block_bytes)
+    # (an fp8 point's sets are drawn in the query's dtype, then converted: open_point)
+    *_, n_sets = sets_layout(point.num_seqs, point.max_seq_len, num_kv_heads=point.num_kv_heads,
+                             head_size=point.head_size, block_size=point.block_size, dtype=point.torch_dtype())
     cache_bytes = inputs.key_cache.nbytes + inputs.value_cache.nbytes
     return n_sets == 1 and cache_bytes >= POOL_BYTES
 
