@@ -2,7 +2,7 @@
 # One device call: each argument is a step. Results land under $OUT (the device tool's
 # folder), logs too. Steps: env, fi, prebuild, occupancy, buildtime, test, sanitize, stalls, ab-old, ab-async, ab-flag, ab-arms,
 # racecheck-async, hostcost, hostprofile, firstlaunch, placement,
-# ab-reduce, clusters, bench, target2, sweep:<grid>, sweep-memory, repeat, profile, sass, readpattern, readpattern-shapes,
+# ab-reduce, clusters, bench, target2, sweep:<grid>, sweep-memory, sweep-holders, repeat, profile, sass, readpattern, readpattern-shapes,
 # readpattern-arms.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -324,6 +324,12 @@ PYEOF
       for m in "ab 32x8192,64x32768" "leak 256x8192,256x16384"; do
         timeout 200 $PY scripts/sweep_memory.py $m 2>&1 | grep -v "^E[0-9]\|FutureWarning\|return isinstance\|resource_tracker\|warnings.warn" | tail -30
       done
+      ;;
+    sweep-holders)
+      # where a failed FlexAttention row leaves memory allocated after its point closed: the gc
+      # referrer chains of every CUDA tensor still alive (scripts/sweep_memory.py holders)
+      timeout ${CPA_SM_TIMEOUT:-400} $PY scripts/sweep_memory.py holders ${CPA_SM_SHAPES:-64x32768,128x16384,128x32768} 2>&1 \
+        | grep -v "^E[0-9]\|FutureWarning\|return isinstance\|resource_tracker\|warnings.warn\|live = \[" | tail -150
       ;;
     repeat)
       # the same rows twice: timing repeatability (medians within 3%?)

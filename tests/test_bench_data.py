@@ -406,9 +406,13 @@ def test_h100_target2_after_the_reduces_clamp():
 # ------------------------------------------------------------ the bench audit
 def test_readme_quotes_the_small_shapes_of_the_shipped_table():
     v = B.vs_sdpa(pd.read_csv(CSV)).round(2)
-    assert (v[(1, 512)], v[(1, 2048)], v[(8, 2048)]) == (1.52, 1.15, 1.07)
+    assert (v[(1, 512)], v[(1, 2048)], v[(8, 2048)]) == (1.66, 1.12, 1.06)
     readme = (ROOT / "README.md").read_text()
-    assert "1 x 512 (1.52x), 1 x 2k\n  (1.15x), 8 x 2k (1.07x" in readme
+    assert "1 x 512 (1.66x), 1 x 2k\n  (1.12x), 8 x 2k (1.06x)" in readme
+    # the lead is not the L2's: these shapes' rotating sets touch >= 256 MiB of K/V
+    d = pd.read_csv(CSV)
+    sets = d[d.tiling == "sdpa_cudnn"].set_index(["num_seqs", "max_seq_len"])
+    assert (sets.n_sets * sets.kv_bytes >= 256 << 20)[[(1, 512), (1, 2048), (8, 2048)]].all()
 
 
 def test_unverified_rows_are_no_time():
