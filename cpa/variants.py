@@ -352,8 +352,8 @@ DEFAULTS: dict[str, list[tuple]] = {
     "sm_90": [(16, "mfma16", BY_SHAPE,
                "measured on an H200: mfma16 and mfma4 tie (data/bench/h200-kernel.csv); the partition size "
                "is chosen per launch by the wave model fitted to the H200 sweep (SHAPE_MODELS): over the "
-               "bench's 16 shapes 1.013x the per-shape best (geometric mean; worst 1.08x) against 1.146x "
-               "(worst 1.99x) for the best fixed size (512), over the 56 shapes of "
+               "bench's 16 shapes 1.013x the per-shape best (geometric mean; worst 1.09x) against 1.146x "
+               "(worst 2.01x) for the best fixed size (512), over the 56 shapes of "
                "data/sweeps/h200-llama70b-decode.parquet 1.004x (worst 1.13x) against 1.100x (1.76x); "
                "cpa.bench.by_shape_choice")],
 }

@@ -56,6 +56,7 @@ def test_sm90_default_partition_by_shape_beats_every_fixed_choice(df):
     choice, _ = B.best_fixed_choice(df)
     assert g < 1.02 and t.slowdown.max() < 1.10 and g < choice["geomean_slowdown"], (g, choice)
     assert f"{g:.3f}x" in source and f"{choice['geomean_slowdown']:.3f}x" in source
+    assert f"worst {t.slowdown.max():.2f}x" in source and f"worst {choice['worst_slowdown']:.2f}x" in source
 
 
 @pytest.mark.parametrize("call", ["make_sets", "run"])
