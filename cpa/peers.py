@@ -22,6 +22,8 @@ here); ``backend`` says what ran, ``note`` how it was fed.
   experimental paged helper (``torch.nn.attention.experimental._paged_attention``): it keeps
   its own page-table format and cache layout, so it would time a re-laid-out copy too. Timed
   under CUDA-graph replay when the compiled call captures, else by plain replay (``note``).
+  Points whose contiguous K has >= 2^31 elements get an ``unsupported`` row in torch <= 2.11,
+  where every compile of them failed (``FLEX_LARGE_FAILS_UP_TO``; ``CPA_FLEX_LARGE=1`` tries).
 * ``flashinfer`` -- ``flashinfer.BatchDecodeWithPagedKVCacheWrapper(kv_layout="HND",
   use_tensor_cores=True)``: paged, with the block table as its page table (page = block,
   ``page_size = block_size``, CSR ``indptr`` / ``indices`` from each sequence's first
@@ -224,6 +226,36 @@ def _flex():
     return _FLEX
 
 
+# torch.compile(flex_attention, dynamic=False) failed at every point whose contiguous K (or V)
+# has >= 2^31 elements: 26 of the 26 such rows that reached the compile in the six sweeps since
+# dynamic=False (torch 2.11.0+cu130, H200 and H100; llama70b-decode 64 x 32k up, mixed-lengths'
+# largest points; Inductor's SubprocException; the others ran out of memory first), and every
+# such row of scripts/sweep_memory.py (SubprocException or CompilationError). Each failure cost
+# a compile and left gigabytes allocated (notes/kernel-notes.md, twenty-fifth and twenty-sixth
+# sessions). The automatic-dynamic compile of the first sweeps ran those points (a general flex
+# kernel, ~10x SDPA's time), so the limit is the decoding kernel's. A later torch is tried again.
+FLEX_LARGE_FAILS_UP_TO = (2, 11)
+
+
+def flex_kv_elements(pt) -> int:
+    """Elements of the contiguous K that the flex peer compiles for (padded to max_seq_len)."""
+    return pt.num_seqs * pt.num_kv_heads * pt.max_seq_len * pt.head_size
+
+
+def flex_fails_to_compile(pt, torch_version: str | None = None) -> bool:
+    """Whether the flex peer refuses ``pt`` as known to fail (see FLEX_LARGE_FAILS_UP_TO)."""
+    import os
+
+    if os.environ.get("CPA_FLEX_LARGE") == "1" or flex_kv_elements(pt) < 1 << 31:
+        return False
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    major, minor = (int(x) for x in torch_version.split(".")[:2])
+    return (major, minor) <= FLEX_LARGE_FAILS_UP_TO
+
+
 class FlexPeer:
     name = "flex"
 
@@ -239,8 +271,13 @@ class FlexPeer:
         return None
 
     def build(self, state) -> PeerBuilt:
-        if state.point.kv_cache_dtype != "auto":
+        pt = state.point
+        if pt.kv_cache_dtype != "auto":
             raise _unsupported("flex_attention takes fp16/bf16 K/V, not fp8")
+        if flex_fails_to_compile(pt):
+            raise _unsupported(f"flex_attention's decoding kernel does not compile at K/V of >= 2^31 elements in "
+                               f"torch {FLEX_LARGE_FAILS_UP_TO[0]}.{FLEX_LARGE_FAILS_UP_TO[1]} (this point: "
+                               f"{flex_kv_elements(pt)}); CPA_FLEX_LARGE=1 tries anyway")
         return PeerBuilt()
 
     def _mask(self, pt, device):

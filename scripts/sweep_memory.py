@@ -8,6 +8,7 @@
                                                               sets and on the verification inputs, alternated
 """
 import gc
+import os
 import statistics
 import sys
 import types
@@ -73,6 +74,8 @@ def holders(depth=6, width=4):
 
 def main():
     mode = sys.argv[1]
+    if mode in ("leak", "holders"):  # the failure under study: the flex peer refuses it otherwise
+        os.environ["CPA_FLEX_LARGE"] = "1"
     shapes = [tuple(map(int, s.split("x"))) for s in sys.argv[2].split(",")]
     grid = S.load_grid("llama70b-decode")
     pts = [p for p in grid.points if (p.num_seqs, p.max_seq_len) in shapes]

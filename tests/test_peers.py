@@ -167,3 +167,23 @@ def test_sdpa_peer_verify_on_cpu(monkeypatch, lens):
                             kv_cache_dtype="fp8"))
     with pytest.raises(S.Unsupported):
         peer.build(S.CudaPointState(fp8, None, None, 0.0, None, 1))
+
+
+def test_flex_refuses_the_points_its_decoding_kernel_fails_to_compile(monkeypatch):
+    """K/V of >= 2^31 elements is refused as unsupported before any copy or compile in torch
+    <= 2.11 (where every such compile failed), tried on a later torch or with CPA_FLEX_LARGE=1."""
+    monkeypatch.delenv("CPA_FLEX_LARGE", raising=False)
+    kw = dict(num_heads=64, num_kv_heads=8, head_size=128, block_size=16)
+    edge = S.make_point(dict(num_seqs=64, max_seq_len=32768, **kw))  # exactly 2^31 elements
+    below = S.make_point(dict(num_seqs=32, max_seq_len=32768, **kw))
+    mixed = S.make_point(dict(num_seqs=128, seq_lens=[100] * 127 + [32768], **kw))  # padded to its longest
+    assert P.flex_kv_elements(edge) == 1 << 31
+    assert P.flex_fails_to_compile(edge, "2.11.0+cu130") and P.flex_fails_to_compile(mixed, "2.9.1")
+    assert not P.flex_fails_to_compile(below, "2.11.0+cu130")
+    assert not P.flex_fails_to_compile(edge, "2.12.0")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(S.Unsupported, match=r"unsupported: .*2\^31 elements.*2147483648.*CPA_FLEX_LARGE=1"):
+        P.FlexPeer().build(S.CudaPointState(edge, None, None, 0.0, None, 1))
+    P.FlexPeer().build(S.CudaPointState(below, None, None, 0.0, None, 1))
+    monkeypatch.setenv("CPA_FLEX_LARGE", "1")
+    assert not P.flex_fails_to_compile(edge, "2.11.0")
