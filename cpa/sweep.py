@@ -1402,7 +1402,9 @@ def release_frames(exc: BaseException) -> None:
     inputs and the row's K/V copies allocated after the point closed and after gc -- 33.6 GiB
     at 256 x 16k -- until the next such failure: torch keeps the failure somewhere (not pinned
     down), and the frames of its traceback hold those tensors as locals. Clearing the frames
-    drops them whoever holds the exception (tests/test_sweep.py; not yet run on a GPU)."""
+    drops them whoever holds the exception (tests/test_sweep.py). On the H200 (0bddddf) this
+    freed the point's inputs but not the flex row's padded K/V (16 GiB at 256 x 16k), which
+    something else keeps; the flex peer now refuses such points (cpa.peers.flex_fails_to_compile)."""
     import traceback
 
     todo, seen = [exc], set()
