@@ -47,8 +47,13 @@ def holders(depth=6, width=4):
     gc.collect()
     here = sys._getframe()
     skip = {id(here)}
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda
-            and o.untyped_storage().nbytes() >= 64 << 20]
+    def big(o):
+        try:
+            return isinstance(o, torch.Tensor) and o.is_cuda and o.untyped_storage().nbytes() >= 64 << 20
+        except Exception:  # wrapper tensors without a storage (functorch's batched ones)
+            return False
+
+    live = [o for o in gc.get_objects() if big(o)]
     skip.add(id(live))
     print(f"  {len(live)} CUDA tensors >= 64 MiB alive:", flush=True)
     for t in live:
