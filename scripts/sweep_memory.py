@@ -44,12 +44,15 @@ def describe(o) -> str:
 
 def holders(depth=6, width=4):
     """Referrer chains of every CUDA tensor still alive (>= 64 MiB), `depth` levels up."""
+    from torch._subclasses.fake_tensor import FakeTensor
     gc.collect()
     here = sys._getframe()
     skip = {id(here)}
     def big(o):
         try:
-            return isinstance(o, torch.Tensor) and o.is_cuda and o.untyped_storage().nbytes() >= 64 << 20
+            # real device tensors only: Inductor keeps fake ones (no memory) in its pattern tables
+            return (isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.is_cuda
+                    and o.untyped_storage().nbytes() >= 64 << 20)
         except Exception:  # wrapper tensors without a storage (functorch's batched ones)
             return False
 
