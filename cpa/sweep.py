@@ -1394,27 +1394,49 @@ def _run_row(runner: Runner, state, v: RowVariant) -> dict:
 
 
 def release_frames(exc: BaseException) -> None:
-    """Clear the locals of every finished frame in ``exc``'s tracebacks (and its causes' and
-    contexts').
+    """Clear the locals of every finished frame a failed row's exception reaches: the frames of
+    its traceback, its causes', contexts' and those of exceptions it keeps as attributes, and
+    each such frame's finished callers (``f_back``).
 
-    A failed row must not keep its point's tensors. On an H100 (af48162), a FlexAttention row
-    whose Inductor compile failed in a subprocess (K/V of >= 2^31 elements) left the point's
-    inputs and the row's K/V copies allocated after the point closed and after gc -- 33.6 GiB
-    at 256 x 16k -- until the next such failure: torch keeps the failure somewhere (not pinned
-    down), and the frames of its traceback hold those tensors as locals. Clearing the frames
-    drops them whoever holds the exception (tests/test_sweep.py). On the H200 (0bddddf) this
-    freed the point's inputs but not the flex row's padded K/V (16 GiB at 256 x 16k), which
-    something else keeps; the flex peer now refuses such points (cpa.peers.flex_fails_to_compile)."""
-    import traceback
+    A failed row must not keep its point's tensors. A FlexAttention row whose Inductor compile
+    failed in a subprocess (K/V of >= 2^31 elements) left them allocated after the point closed
+    and after gc, until the next such failure: 33.6 GiB at 256 x 16k on an H100 (af48162). The
+    holder, found with ``scripts/sweep_memory.py holders`` (H100, twenty-sixth session): the
+    padded K / V were locals of Dynamo's and Inductor's compile frames (``trace_frame``,
+    ``aot_module_simplified``, ...), kept alive through the ``f_back`` links of the frames of
+    the original ``SubprocException``, which torch 2.11 keeps in the failed kernel's cached
+    future. The exception a caller sees (``InductorError``) has a shortened traceback and holds
+    the inner one as an attribute (``inner_exception``), so clearing only the caller's
+    traceback and its causes freed the point's inputs but not the 16 GiB of K/V at 256 x 16k.
+    Clearing a frame only drops its locals; frames still executing (this caller's) are skipped.
+    The flex peer now refuses such points anyway (cpa.peers.flex_fails_to_compile)."""
+    import types
 
-    todo, seen = [exc], set()
+    todo, seen, frames = [exc], set(), []
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        traceback.clear_frames(e.__traceback__)
+        tb = e.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
         todo += [e.__cause__, e.__context__]
+        for v in getattr(e, "__dict__", {}).values():  # InductorError.inner_exception, .first_useful_frame
+            if isinstance(v, BaseException):
+                todo.append(v)
+            elif isinstance(v, types.FrameType):
+                frames.append(v)
+    cleared = set()
+    for f in frames:
+        while f is not None and id(f) not in cleared:
+            cleared.add(id(f))
+            try:
+                f.clear()
+            except RuntimeError:  # still executing: a caller of this row
+                pass
+            f = f.f_back
 
 
 def _row(base: dict, pt: Point, v: RowVariant, res: dict, read_gbps: float, timestamp: str) -> dict:

@@ -331,6 +331,84 @@ def test_failed_row_keeps_no_point_data():
     _KEPT_ERRORS.clear()
 
 
+class _WrappedError(Exception):
+    """As torch's InductorError: the inner failure as an attribute, a traceback of its own."""
+
+    def __init__(self, inner):
+        self.inner_exception = inner
+        super().__init__(f"{type(inner).__name__}: {inner}")
+
+
+def _compile_frame(copy):  # a compile frame with the row's copy as a local (Dynamo's trace_frame)
+    return _wait_on_kernel()
+
+
+def _wait_on_kernel():
+    try:
+        raise RuntimeError("in a subprocess")
+    except RuntimeError as e:
+        _KEPT_ERRORS.append(e)  # the library's cached future keeps the original, and through
+        raise RuntimeError("kernel failed") from e  # its frame's f_back the whole compile stack
+
+
+class _WrappedFailure(_KeptFailure):
+    """The SubprocException path of torch 2.11 (H100, twenty-sixth session): the caller sees
+    a wrapper raised outside the handler (no context) that holds the inner failure only as an
+    attribute; the original stays in a library cache, its frames linked to the compile frames."""
+
+    def verify(self, state, built):
+        copy = state.kwargs["key_cache"].clone()
+        _ROW_COPIES.append(weakref.ref(copy))
+        failure = None
+        try:
+            _compile_frame(copy)
+        except RuntimeError as inner:
+            failure = inner
+        del copy
+        raise _WrappedError(failure)
+
+
+def test_failed_row_keeps_no_point_data_through_a_wrapped_failure():
+    r = _WrappedFailure(replays=1)
+    r.begin()
+    pt = S.make_point(dict(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_seq_len=40))
+    state = r.open_point(pt, seed=1)
+    res = S._run_row(r, state, S.RowVariant("mfma16", 64))
+    assert res["error"] == "_WrappedError: RuntimeError: kernel failed" and not res["verified"]
+    gc.collect()
+    assert _KEPT_ERRORS, "the stand-in library keeps its failure"
+    assert _ROW_COPIES[-1]() is None, "a kept inner failure's frames still hold the row's copy"
+    r.close_point(state)
+    _KEPT_ERRORS.clear()
+
+
+def _caller_of_a_kept_failure(copy):
+    return _failure_caught_where_raised()
+
+
+def _failure_caught_where_raised():
+    try:
+        raise RuntimeError("kept")
+    except RuntimeError as e:
+        return e  # its traceback has this frame only; the caller is reached through f_back
+
+
+def test_release_frames_clears_the_finished_callers_of_a_failure():
+    """A finished frame that holds a tensor and is reachable only as the f_back of a kept
+    failure's frame (how torch's cached future held the compile stack) loses its locals."""
+    import torch
+
+    copy = torch.zeros(8)
+    ref = weakref.ref(copy)
+    kept = _caller_of_a_kept_failure(copy)
+    del copy
+    gc.collect()
+    assert ref() is not None  # held by the finished caller's frame
+    S.release_frames(kept)
+    gc.collect()
+    assert ref() is None
+
+
 # ==================================================================================== results
 def test_sweep_results_parquet(tmp_path, tiny):
     out = tmp_path / "r" / "res.parquet"
