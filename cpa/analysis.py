@@ -117,11 +117,18 @@ def sweep_tables(mode: str | None = None) -> tuple[str, list[Path]]:
 def shipped_sweep_on(grid: str, gpu: str) -> SweepData:
     """A grid's shipped run on another card (``gpu``: the file prefix, e.g. "h100"), kept in
     data/sweeps/experiments as ``<gpu>-<grid>-<commit>.parquet``; the newest run where there are
-    several. Measured on that card: compare it with the H200 tables only shape by shape."""
+    several. Tables of some points only (``<gpu>-<grid>-<points>-<commit>.parquet``, e.g. points
+    re-measured on another card of the same model) are not a grid's run. Measured on that card:
+    compare it with the H200 tables only shape by shape."""
+    import re
+
     from . import sweep as S
 
     found = []
+    whole = re.compile(rf"{re.escape(gpu)}-{re.escape(grid)}-[0-9a-f]{{7,40}}\.parquet")
     for path in sorted((SHIPPED / "experiments").glob(f"{gpu}-{grid}-*.parquet")):
+        if not whole.fullmatch(path.name):
+            continue
         df, meta = S.read_results(path)
         found.append((df.timestamp.max(), path, df, meta))
     if not found:

@@ -272,8 +272,11 @@ print(f"MI300X, modeled: fixed 256 is {gain:.3f}x the model's per-shape choice (
 # The MI300X lines above take a model fitted on one card to another. That step can be checked
 # on a second card that this project can run: the same llama70b-decode sweep on an **NVIDIA
 # H100** (132 SMs as the H200 and the same compiled kernels, but a read ceiling of 3.2 TB/s
-# against 4.6; `data/sweeps/experiments/h100-llama70b-decode-*.parquet`; its two largest
-# points, 256 x 16k and 32k, do not fit the card's 80 GB beside the sweep's input sets).
+# against 4.6; `data/sweeps/experiments/h100-llama70b-decode-c7e79b8.parquet`; its two largest
+# points, 256 x 16k and 32k, did not fit the card's 80 GB beside the sweep's input sets then;
+# they were measured later on another H100, whose read ceiling was 2.5% lower, and are kept
+# apart in `h100-llama70b-decode-s256-df60a7d.parquet`, since one fit over two cards' rows
+# would read the card's difference as a cost of the kernel).
 # Three rules against the H100's own per-shape best: the sm_90 default as shipped (the H200's
 # constants, not refitted), the same rule with the model refitted to the H100's rows, and the
 # best fixed size. These are H100 measurements, not H200 or MI300 ones.
