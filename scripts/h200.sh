@@ -16,6 +16,15 @@ if [ -z "${CPA_GIT_COMMIT:-}" ]; then
   echo "h200.sh: set CPA_GIT_COMMIT=<the full sha of the local checkout> (git rev-parse HEAD here, not there)" >&2
   exit 2
 fi
+# A commit this copy's git knows must hold the code sent: on 2026-12-07 `$(git rev-parse HEAD)`
+# evaluated there named the session's first commit for a tree four commits later. (A newer
+# commit is unknown there and passes.)
+if git cat-file -e "${CPA_GIT_COMMIT}^{commit}" 2>/dev/null \
+   && ! git diff --quiet "$CPA_GIT_COMMIT" -- cpa scripts tests 2>/dev/null; then
+  echo "h200.sh: the code here is not that of CPA_GIT_COMMIT=$CPA_GIT_COMMIT (git diff $CPA_GIT_COMMIT -- cpa scripts tests);" \
+       "pass the sha of the tree sent, from the caller's checkout" >&2
+  exit 2
+fi
 # A/B of a kernel knob: ab_on FLAGS TAG builds the flagged variants in parallel, runs the kernel
 # GPU tests with them and benches them ($OUT/ab-TAG-on.csv); ab_off TAG benches the default build
 # right after ($OUT/ab-TAG-off.csv). The bench covers the tilings with matrix cores at P 256-1024

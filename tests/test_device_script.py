@@ -26,8 +26,8 @@ def _run(tmp_path: Path, card: str, *extra_env: tuple[str, str]):
     # python3 stands in for `cpa sweep`: it records its arguments and the CPA_COMMAND provenance
     _stub(bin_dir / "python3", f'echo "ARGS $*" >> {calls}; echo "COMMAND $CPA_COMMAND" >> {calls}')
     env = {k: v for k, v in os.environ.items() if not k.startswith("CPA_")}
-    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), CPA_GIT_COMMIT="0" * 40,
-               **dict(extra_env))
+    env.update({"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "CPA_GIT_COMMIT": "0" * 40,
+                **dict(extra_env)})
     r = subprocess.run(["bash", str(ROOT / "scripts" / "h200.sh"), "sweep:llama70b-decode"], env=env,
                        capture_output=True, text=True, timeout=60)
     return r, calls.read_text() if calls.exists() else ""
@@ -64,3 +64,19 @@ def test_sweep_retries_failed_rows_on_request(tmp_path, retry):
     assert len(args) == len(command) == 1 and "--resume" in args[0]
     # the run and the provenance it records say the same
     assert ("--retry-errors" in args[0]) == ("--retry-errors" in command[0]) == bool(retry)
+
+
+def test_a_commit_whose_code_is_not_the_tree_is_refused(tmp_path):
+    """CPA_GIT_COMMIT naming a commit the copy's git knows, whose cpa/, scripts/ or tests/ differ
+    from the tree (a stale `git rev-parse HEAD` on the device), stops the script before any step."""
+    root = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    first = root.stdout.split()[0] if root.returncode == 0 and root.stdout.strip() else ""
+    if not first or subprocess.run(["git", "cat-file", "-e", f"{first}^{{commit}}"], cwd=ROOT).returncode:
+        pytest.skip("no git history here (a shallow or exported tree)")
+    r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_GIT_COMMIT", first))
+    assert r.returncode == 2 and "is not that of CPA_GIT_COMMIT" in r.stderr and calls == ""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "cpa", "scripts", "tests"], cwd=ROOT).returncode
+    if not dirty:  # the checkout's own commit passes
+        r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_GIT_COMMIT", head), ("CPA_SWEEP_FRESH", "1"))
+        assert r.returncode == 0, r.stderr
