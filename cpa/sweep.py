@@ -1410,6 +1410,7 @@ def release_frames(exc: BaseException) -> None:
     traceback and its causes freed the point's inputs but not the 16 GiB of K/V at 256 x 16k.
     Clearing a frame only drops its locals; frames still executing (this caller's) are skipped.
     The flex peer now refuses such points anyway (cpa.peers.flex_fails_to_compile)."""
+    import inspect
     import types
 
     todo, seen, frames = [exc], set(), []
@@ -1428,14 +1429,17 @@ def release_frames(exc: BaseException) -> None:
                 todo.append(v)
             elif isinstance(v, types.FrameType):
                 frames.append(v)
+    # a suspended generator's frame is left alone: clearing it would close the generator
+    resumable = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
     cleared = set()
     for f in frames:
         while f is not None and id(f) not in cleared:
             cleared.add(id(f))
-            try:
-                f.clear()
-            except RuntimeError:  # still executing: a caller of this row
-                pass
+            if not f.f_code.co_flags & resumable:
+                try:
+                    f.clear()
+                except RuntimeError:  # still executing: a caller of this row
+                    pass
             f = f.f_back
 
 

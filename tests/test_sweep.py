@@ -409,6 +409,21 @@ def test_release_frames_clears_the_finished_callers_of_a_failure():
     assert ref() is None
 
 
+def test_release_frames_leaves_a_suspended_generator_running():
+    """A generator that caught the failure and is suspended (not finished) keeps working."""
+
+    def steps():
+        try:
+            raise RuntimeError("caught inside")
+        except RuntimeError as e:
+            yield e
+        yield "still running"
+
+    gen = steps()
+    S.release_frames(next(gen))
+    assert next(gen) == "still running"
+
+
 # ==================================================================================== results
 def test_sweep_results_parquet(tmp_path, tiny):
     out = tmp_path / "r" / "res.parquet"
