@@ -73,7 +73,8 @@ Runners
 -------
 What is timed is pluggable (:class:`Runner`): :class:`CudaRunner` (the CPA kernel and the
 peers, CUDA-graph replay over rotating input sets with ``cpa.timing.time_graph``; a point
-too large for a second set is timed on its verification inputs, ``times_on_inputs``) and
+too large for a second set is timed on its verification inputs, ``times_on_inputs``; column
+``timing_inputs`` says which, "sets" or "inputs", in rows written since the twenty-sixth session) and
 :class:`ReferenceRunner` (the torch reference on the CPU as the timed op, host timer; for
 tests and CI). ``cpa sweep --runner module:attr`` loads any other.
 """
@@ -123,7 +124,7 @@ COLUMN_TYPES: dict[str, str] = {
     "attn_time_us": "float", "reduce_time_us": "float", "num_partitions": "int",
     "kv_bytes": "int", "bytes": "int", "gbps": "float", "total_gbps": "float", "frac_peak_bw": "float",
     "verified": "bool", "max_rel_err": "float", "error": "str", "backend": "str", "note": "str",
-    "n_sets": "Int64", "replays": "Int64", "build_from_cache": "boolean", "build_seconds": "float",
+    "n_sets": "Int64", "timing_inputs": "str", "replays": "Int64", "build_from_cache": "boolean", "build_seconds": "float",
     "read_gbps_ceiling": "float", "copy_gbps_ceiling": "float", "read_method": "str",
     "runner": "str", "arch": "str", "run_id": "str",
     "device_name": "str", "driver_version": "str", "torch_version": "str", "git_commit": "str",
@@ -655,7 +656,7 @@ class ReferenceRunner:
         _, es, ml, to = reference.paged_attention(**kw, partition_size=P, return_intermediates=True)
         t_red = host_timing(lambda: reference.reduce_partitions(es, ml, to), self.replays)
         return {**t_all.as_dict(), "attn_time_us": t_attn.median_us, "reduce_time_us": t_red.median_us,
-                "n_sets": 1, "replays": self.replays}
+                "n_sets": 1, "timing_inputs": "inputs", "replays": self.replays}
 
     def release(self, built: Built) -> None:
         pass
@@ -682,6 +683,8 @@ class CudaPointState:
     replays: int
     # (the point's first timing warms up for cpa.timing.SETTLE_US)
     settling: Settling = field(default_factory=Settling)
+    # what the rows are timed on (column `timing_inputs`): make_sets' "sets" or the verification "inputs"
+    timing_inputs: str = "sets"
 
 
 class CudaRunner:
@@ -749,7 +752,8 @@ class CudaRunner:
                                 point.block_size, list(point.seq_lens), dtype=dt, kv_cache_dtype=point.kv_cache_dtype,
                                 seed=seed, device="cuda")
         ref = reference.paged_attention(**inp.as_kwargs())
-        if times_on_inputs(point, inp):
+        timing_inputs = "inputs" if times_on_inputs(point, inp) else "sets"
+        if timing_inputs == "inputs":
             sets = sets_of_inputs(point, inp)
         else:
             # make_sets gives every sequence max_seq_len tokens of blocks; shorter sequences of a
@@ -764,7 +768,8 @@ class CudaRunner:
             if point.kv_cache_dtype == "fp8":
                 sets = _fp8_sets(sets)
         torch.cuda.synchronize()
-        return CudaPointState(point, inp, ref, reference.REL_ERR_TOL[dt], sets, self.replays)
+        return CudaPointState(point, inp, ref, reference.REL_ERR_TOL[dt], sets, self.replays,
+                              timing_inputs=timing_inputs)
 
     def close_point(self, state) -> None:
         import torch
@@ -815,7 +820,7 @@ class CudaRunner:
         kind, a, b = built.handle
         settle = state.settling.warmup_us()  # (as cpa.bench: a run's first timing reads slow)
         if kind == "peer":
-            return a.time(state, b)
+            return {**a.time(state, b), "timing_inputs": state.timing_inputs}
         launches = b
         t_all = time_graph([l.__call__ for l in launches], replays=self.replays, warmup_us=settle)
         t_attn = time_graph([l.attention for l in launches], replays=self.replays)
@@ -823,7 +828,7 @@ class CudaRunner:
                  if launches[0].reduce_args is not None else None)
         return {**t_all.as_dict(), "attn_time_us": t_attn.median_us,
                 "reduce_time_us": t_red.median_us if t_red else 0.0, "n_sets": len(launches),
-                "replays": self.replays}
+                "timing_inputs": state.timing_inputs, "replays": self.replays}
 
     def release(self, built: Built) -> None:
         kind, a, b = built.handle

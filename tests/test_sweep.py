@@ -442,6 +442,7 @@ def test_sweep_results_parquet(tmp_path, tiny):
     ok = df2[df2.error.isna()]
     uns = df2[df2.error.notna()]
     assert len(ok) == 24 and ok.verified.all() and (ok.max_rel_err <= 2e-3).all()
+    assert (ok.timing_inputs == "inputs").all() and uns.timing_inputs.isna().all()  # the CPU runner's
     assert len(uns) == 4 and (uns.head_size == 80).all() and uns.error.str.startswith("unsupported").all()
     assert not uns.verified.any()
     r = ok.iloc[0]

@@ -89,3 +89,29 @@ def test_resume_adds_nothing(table):
     again = S.run_sweep(str(g), out, runner=S.CudaRunner(replays=5), resume=True, progress=False, echo=print)
     assert len(again) == len(df)
     assert sorted(again.run_id.unique()) == sorted(df.run_id.unique())
+
+
+def test_rows_say_what_they_were_timed_on(table):
+    """Small points rotate make_sets' sets; a point whose inputs cover the 1 GiB pool and whose
+    pool would hold one set is timed on its inputs, the row says which (column timing_inputs),
+    and both ways verify."""
+    import gc
+
+    import torch
+
+    df, *_ = table
+    timed = df[df.time_us.notna()]
+    assert (timed.timing_inputs == "sets").all()
+    runner = S.CudaRunner(replays=3)  # (no begin: the ceilings are not needed for one row)
+    big = S.make_point(dict(num_seqs=32, max_seq_len=8192, num_heads=64, num_kv_heads=8, head_size=128,
+                            block_size=16))
+    state = runner.open_point(big, seed=7)
+    try:
+        assert state.timing_inputs == "inputs" and state.sets.key_cache is state.inputs.key_cache
+        res = S._run_row(runner, state, S.RowVariant("mfma16", 512))
+        assert res.get("error") is None and res["verified"] and res["timing_inputs"] == "inputs"
+    finally:
+        runner.close_point(state)
+        del state
+        gc.collect()
+        torch.cuda.empty_cache()
