@@ -71,11 +71,11 @@ def test_a_commit_whose_code_is_not_the_tree_is_refused(tmp_path):
     from the tree (a stale `git rev-parse HEAD` on the device), stops the script before any step."""
     root = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     first = root.stdout.split()[0] if root.returncode == 0 and root.stdout.strip() else ""
-    if not first or subprocess.run(["git", "cat-file", "-e", f"{first}^{{commit}}"], cwd=ROOT).returncode:
-        pytest.skip("no git history here (a shallow or exported tree)")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if not first or first == head or subprocess.run(["git", "diff", "--quiet", first, "--", "cpa"], cwd=ROOT).returncode == 0:
+        pytest.skip("no older commit with other code here (a shallow or exported tree)")
     r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_GIT_COMMIT", first))
     assert r.returncode == 2 and "is not that of CPA_GIT_COMMIT" in r.stderr and calls == ""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "cpa", "scripts", "tests"], cwd=ROOT).returncode
     if not dirty:  # the checkout's own commit passes
         r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_GIT_COMMIT", head), ("CPA_SWEEP_FRESH", "1"))
