@@ -191,7 +191,9 @@ def test_the_points_that_did_not_fit_on_80_gb_measured_since(name, point_rows, f
     ceiling 3145 against 3225 GB/s) and kept apart from those tables: every CPA and SDPA row
     verified, flex `unsupported` (>= 2^31-element K/V); the best CPA launch 0.979x / 0.980x of
     SDPA at 256 x 16k / 32k, 96.3% / 96.6% of its run's read ceiling; the mixed point 10.39x."""
-    whole = A_shipped(name)
+    from cpa import analysis as A
+
+    whole = A.shipped_sweep_on(name, "h100").df
     part, meta = S.read_results(DATA / "experiments" / f"h100-{name}-s256-df60a7d.parquet")
     assert len(part) == point_rows and len(meta["runs"]) == 1
     # exactly the rows that failed in the whole table, now all measured
@@ -206,27 +208,13 @@ def test_the_points_that_did_not_fit_on_80_gb_measured_since(name, point_rows, f
     run = {r["run_id"]: r for r in doc["runs"]}[meta["runs"][0]["run_id"]]
     assert run["grid"] == name and (part.read_gbps_ceiling == run["read_gbps"]).all()
     assert 3144 <= run["read_gbps"] < 3145 and round(whole.read_gbps_ceiling.median()) in (3225, 3226)
-    v = _vs_sdpa_sweep(part)
+    v = A.speedups(part).sort_values("max_seq_len").vs_sdpa
     if name == "llama70b-decode":
         assert v.round(3).tolist() == [0.979, 0.98]
         best = part[part.tiling.isin(V.TILINGS)].groupby("max_seq_len").frac_peak_bw.max().round(3)
         assert best.tolist() == [0.963, 0.966]
     else:
         assert v.round(2).tolist() == [10.39]
-
-
-def A_shipped(name):
-    from cpa import analysis as A
-
-    return A.shipped_sweep_on(name, "h100").df
-
-
-def _vs_sdpa_sweep(df):
-    """SDPA's time over the best verified CPA row, per point (sorted by max_seq_len)."""
-    cpa = df[df.tiling.isin(V.TILINGS) & df.verified].groupby("point_id").time_us.min()
-    sdpa = df[df.tiling == "sdpa"].set_index("point_id").time_us
-    order = df.drop_duplicates("point_id").sort_values("max_seq_len").point_id
-    return (sdpa / cpa)[order.tolist()]
 
 
 def test_the_shape_rule_carries_to_the_h100():
