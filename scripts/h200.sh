@@ -25,6 +25,10 @@ if git cat-file -e "${CPA_GIT_COMMIT}^{commit}" 2>/dev/null \
        "pass the sha of the tree sent, from the caller's checkout" >&2
   exit 2
 fi
+# scripts/sweep_memory.py's output without torch's warnings and Inductor's error log lines
+sweep_memory_lines() {
+  grep -v "^E[0-9]\|FutureWarning\|return isinstance\|resource_tracker\|warnings.warn\|live = \["
+}
 # A/B of a kernel knob: ab_on FLAGS TAG builds the flagged variants in parallel, runs the kernel
 # GPU tests with them and benches them ($OUT/ab-TAG-on.csv); ab_off TAG benches the default build
 # right after ($OUT/ab-TAG-off.csv). The bench covers the tilings with matrix cores at P 256-1024
@@ -331,14 +335,14 @@ PYEOF
       # the sweep's point set-up: timing on make_sets' sets against the verification inputs
       # (same rows, alternated), then the memory left after each row and point where flex fails
       for m in "ab 32x8192,64x32768" "leak 256x8192,256x16384"; do
-        timeout 200 $PY scripts/sweep_memory.py $m 2>&1 | grep -v "^E[0-9]\|FutureWarning\|return isinstance\|resource_tracker\|warnings.warn" | tail -30
+        timeout 200 $PY scripts/sweep_memory.py $m 2>&1 | sweep_memory_lines | tail -30
       done
       ;;
     sweep-holders)
       # where a failed FlexAttention row leaves memory allocated after its point closed: the gc
       # referrer chains of every CUDA tensor still alive (scripts/sweep_memory.py holders)
       timeout ${CPA_SM_TIMEOUT:-400} $PY scripts/sweep_memory.py holders ${CPA_SM_SHAPES:-64x32768,128x16384,128x32768} 2>&1 \
-        | grep -v "^E[0-9]\|FutureWarning\|return isinstance\|resource_tracker\|warnings.warn\|live = \[" | tail -150
+        | sweep_memory_lines | tail -150
       ;;
     repeat)
       # the same rows twice: timing repeatability (medians within 3%?)
