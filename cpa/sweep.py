@@ -1414,16 +1414,22 @@ def release_frames(exc: BaseException) -> None:
     the inner one as an attribute (``inner_exception``), so clearing only the caller's
     traceback and its causes freed the point's inputs but not the 16 GiB of K/V at 256 x 16k.
     Clearing a frame only drops its locals; frames still executing (this caller's) are skipped.
-    The flex peer now refuses such points anyway (cpa.peers.flex_fails_to_compile)."""
+    A frame also holds its function, and the function its closure cells: on an H100 (twenty-
+    seventh session) the 16 GiB were still held that way, cells of Dynamo's ``_compile_inner``
+    whose frame the kept failure's traceback held. So every exception reached also loses its
+    traceback (the library's kept one included: it keeps its message, not its frames), which
+    frees the frames themselves. The flex peer now refuses such points anyway
+    (cpa.peers.flex_fails_to_compile)."""
     import inspect
     import types
 
-    todo, seen, frames = [exc], set(), []
+    todo, seen, frames, reached = [exc], set(), [], []
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
+        reached.append(e)
         tb = e.__traceback__
         while tb is not None:
             frames.append(tb.tb_frame)
@@ -1446,6 +1452,8 @@ def release_frames(exc: BaseException) -> None:
                 except RuntimeError:  # still executing: a caller of this row
                     pass
             f = f.f_back
+    for e in reached:
+        e.__traceback__ = None
 
 
 def _row(base: dict, pt: Point, v: RowVariant, res: dict, read_gbps: float, timestamp: str) -> dict:

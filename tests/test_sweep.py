@@ -382,6 +382,58 @@ def test_failed_row_keeps_no_point_data_through_a_wrapped_failure():
     _KEPT_ERRORS.clear()
 
 
+def _compile_with_closure(copy):  # Dynamo's _compile: its inner function closes over the copy
+    def compile_inner():
+        return _raise_as_the_pool_does(copy)
+
+    return compile_inner()
+
+
+def _raise_as_the_pool_does(copy):
+    """async_compile's result(): the pool's failure, kept in the kernel cache, is re-raised as a
+    renamed copy `from` it, so the kept original's traceback runs through this frame."""
+    try:
+        try:
+            raise RuntimeError("in a subprocess")
+        except RuntimeError as e:
+            _KEPT_ERRORS.append(e)
+            raise
+    except RuntimeError as e:
+        raise RuntimeError("renamed") from e
+
+
+class _ClosureFailure(_KeptFailure):
+    """Today's H100 chain (twenty-seventh session, 256 x 16k): the copy is a closure cell of the
+    compile functions whose frames the kept failure's traceback holds. A frame holds its
+    function, and the function its cells, so clearing the frames' locals does not free it."""
+
+    def verify(self, state, built):
+        copy = state.kwargs["key_cache"].clone()
+        _ROW_COPIES.append(weakref.ref(copy))
+        failure = None
+        try:
+            _compile_with_closure(copy)
+        except RuntimeError as inner:
+            failure = inner
+        del copy
+        raise _WrappedError(failure)
+
+
+def test_failed_row_keeps_no_point_data_through_a_closure():
+    r = _ClosureFailure(replays=1)
+    r.begin()
+    pt = S.make_point(dict(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_seq_len=40))
+    state = r.open_point(pt, seed=1)
+    res = S._run_row(r, state, S.RowVariant("mfma16", 64))
+    assert res["error"] == "_WrappedError: RuntimeError: renamed" and not res["verified"]
+    gc.collect()
+    assert _KEPT_ERRORS, "the stand-in library keeps its failure"
+    assert _ROW_COPIES[-1]() is None, "a kept failure's frames hold the functions whose cells hold the copy"
+    assert "in a subprocess" in str(_KEPT_ERRORS[-1])  # the library's exception is still usable
+    r.close_point(state)
+    _KEPT_ERRORS.clear()
+
+
 def _caller_of_a_kept_failure(copy):
     return _failure_caught_where_raised()
 
