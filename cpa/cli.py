@@ -671,6 +671,9 @@ def emu_check(
     pdl: bool = typer.Option(False, help="the launches chained as sm_90 makes them (--platform cuda): a kernel "
                              "writing the inputs, the attention kernel and the reduce kernel, each a programmatic "
                              "dependent of the one before, started beside it and waiting at griddepcontrol.wait."),
+    memory_model: str = typer.Option("release", help="release (a workgroup's partial stores are hidden from the "
+                                     "other workgroups until it releases them or its grid ends) or sequential "
+                                     "(every store visible at once)."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an
@@ -693,9 +696,9 @@ def emu_check(
     if fp8_format is not None and fp8_format not in FP8_FORMATS:
         raise typer.BadParameter(f"{fp8_format!r}: one of {', '.join(FP8_FORMATS)}", param_hint="--fp8-format")
     try:
-        emu.check_schedule(workgroups_at_once, turns)
+        emu.check_schedule(workgroups_at_once, turns, memory_model)
     except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--workgroups-at-once / --turns") from None
+        raise typer.BadParameter(str(e), param_hint="--workgroups-at-once / --turns / --memory-model") from None
     try:
         knob_flags = emu.check_flags((flags or "").split())
     except ValueError as e:
@@ -709,7 +712,8 @@ def emu_check(
                               block_size=block_size, gqa=gqa, seq_lens=lens, fused_reduce=fused,
                               fp8_format=fp8_format, platform=platform, flags=knob_flags,
                               shared_steps=shared_steps, workgroups_at_once=workgroups_at_once,
-                              schedule_seed=schedule_seed, turns=turns, cluster_reduce=cluster, pdl=pdl)
+                              schedule_seed=schedule_seed, turns=turns, cluster_reduce=cluster, pdl=pdl,
+                              memory_model=memory_model)
             except ValueError as e:
                 typer.echo(f"{tiling}-p{p}: not a {platform} variant ({e})")
                 continue

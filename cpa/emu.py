@@ -8,7 +8,9 @@ builtin the kernels call is emulated, each lane is a fiber, and a wave-wide oper
 computed once every live lane of the wave has reached it (lanes of one wave waiting at
 different ones are reported as a divergent collective). The grid is walked one workgroup at
 a time. It checks the AMD lane mappings, control flow and results against ``cpa.reference``;
-it says nothing about MI300 timing, ISA scheduling or the memory model.
+it says nothing about MI300 timing or ISA scheduling. Of the memory model it checks the release
+side of the fused combine: a workgroup's partials are hidden from the others until it releases
+them (``memory_model="release"``, the default).
 
 A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, the shuffles,
 ``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
@@ -50,15 +52,22 @@ UNEMULATED = {"CPA_KV_ASYNC": "the staged / ring main loops (cp.async, TMA) are 
 
 # how the emulated workgroups of a concurrent launch take turns (wave_emu.h's Baton)
 TURNS = ("random", "until_blocked")
+# when a workgroup's partial stores become visible to the other workgroups of its launch
+# (wave_emu.h): "release" -- at its next release (an acquire-release RMW or a device-scope
+# fence) or when its grid ends; "sequential" -- at once
+MEMORY_MODELS = ("release", "sequential")
 
 
-def check_schedule(workgroups_at_once, turns) -> None:
-    """ValueError unless `workgroups_at_once` (1-64) and `turns` (TURNS) name a schedule the
-    emulator runs; paged_attention and `cpa emu` ask it before any build."""
+def check_schedule(workgroups_at_once, turns, memory_model="release") -> None:
+    """ValueError unless `workgroups_at_once` (1-64), `turns` (TURNS) and `memory_model`
+    (MEMORY_MODELS) name a schedule the emulator runs; paged_attention and `cpa emu` ask it
+    before any build."""
     if not (isinstance(workgroups_at_once, int) and 1 <= workgroups_at_once <= 64):
         raise ValueError(f"workgroups_at_once must be an int from 1 to 64, got {workgroups_at_once!r}")
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {', '.join(TURNS)}, got {turns!r}")
+    if memory_model not in MEMORY_MODELS:
+        raise ValueError(f"memory_model must be one of {', '.join(MEMORY_MODELS)}, got {memory_model!r}")
 
 
 def check_flags(flags) -> tuple:
@@ -102,7 +111,7 @@ class EmuKernel:
         L.cpa_emu_reduce.restype = i32
         L.cpa_emu_reduce.argtypes = [vp] * 5 + [i32] * 4
         L.cpa_emu_set_schedule.restype = None
-        L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong, i32]
+        L.cpa_emu_set_schedule.argtypes = [i32, ctypes.c_ulonglong, i32, i32]
         L.cpa_emu_switches.restype = i64
         L.cpa_emu_set_pdl.restype = i32
         L.cpa_emu_set_pdl.argtypes = [i32, i32, ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(i64)]
@@ -163,7 +172,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     fused_reduce: bool = False, return_intermediates: bool = False, max_seq_len=None,
                     check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
                     shared_steps: bool = False, cluster_reduce: bool = False, flags=(), workgroups_at_once: int = 1,
-                    schedule_seed: int = 0, turns: str = "random", pdl: bool = False):
+                    schedule_seed: int = 0, turns: str = "random", pdl: bool = False,
+                    memory_model: str = "release"):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
@@ -194,9 +204,13 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     ``griddepcontrol.wait`` only once they have all ended: what a kernel reads before its wait it
     reads beside the kernel before it (poisoned or half-written inputs, partials). With
     ``cluster_reduce`` the attention kernel is a cluster launch in the chain, as launch.h makes it
-    (its clusters taken up whole, ``workgroups_at_once`` rounded up to whole clusters)."""
+    (its clusters taken up whole, ``workgroups_at_once`` rounded up to whole clusters).
+    ``memory_model``: "release" (the default) holds each workgroup's partial stores (the fused
+    combine's inputs) back from the other workgroups until that workgroup releases them (an
+    acquire-release count or a device-scope fence) or its grid ends, so a combine that reads
+    them unreleased reads the NaN poison; "sequential" makes every store visible at once."""
     flags = check_flags(flags)
-    check_schedule(workgroups_at_once, turns)
+    check_schedule(workgroups_at_once, turns, memory_model)
     shape = validate_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, scale, alibi_slopes=alibi_slopes,
         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, partition_size=partition_size,
@@ -256,7 +270,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         key_cache, value_cache, block_tables, seq_lens, query = runs
     tensors = [query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
     reduce = parts > 1 and not fused and not cluster
-    k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"))
+    k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"),
+                               int(memory_model == "release"))
     # (with pdl the launches below are held, then run as one chain by cpa_emu_run_pdl)
     n = len(copies)
     k.check(k.lib.cpa_emu_set_pdl(int(pdl), n, (ctypes.c_void_p * n)(*(d.data_ptr() for d, _ in copies)),
@@ -291,15 +306,15 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
           fp8_format: str | None = None, platform: str = "hip", flags=(), shared_steps: bool = False,
           workgroups_at_once: int = 1, schedule_seed: int = 0, turns: str = "random",
-          cluster_reduce: bool = False, pdl: bool = False) -> dict:
+          cluster_reduce: bool = False, pdl: bool = False, memory_model: str = "release") -> dict:
     """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a
     combination that is not a variant of ``platform``. An fp8 cache is in ``fp8_format`` (on
     AMD by default MI300's e4m3fnuz, as vLLM writes it on gfx94x; e4m3fn as on gfx950; NVIDIA
     reads e4m3fn only). ``shared_steps``, ``cluster_reduce``, ``pdl``, ``workgroups_at_once``,
-    ``schedule_seed``, ``turns``: as for paged_attention (the row's ``switches``: turns handed
-    between workgroups)."""
+    ``schedule_seed``, ``turns``, ``memory_model``: as for paged_attention (the row's
+    ``switches``: turns handed between workgroups)."""
     import time
 
     from . import reference
@@ -320,7 +335,7 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
     out = paged_attention(**kw, partition_size=partition_size, tiling=tiling, fused_reduce=fused_reduce,
                           platform=platform, flags=flags, shared_steps=shared_steps,
                           workgroups_at_once=workgroups_at_once, schedule_seed=schedule_seed, turns=turns,
-                          cluster_reduce=cluster_reduce, pdl=pdl)
+                          cluster_reduce=cluster_reduce, pdl=pdl, memory_model=memory_model)
     secs = time.perf_counter() - t0
     err = reference.relative_error(out, reference.paged_attention(**kw), per_seq=True)
     return dict(variant=v.name, tiling=tiling, partition_size=partition_size, dtype=dtype,

@@ -357,6 +357,58 @@ def test_concurrent_workgroups_in_the_emulator(platform, tiling):
         emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, workgroups_at_once=0)
 
 
+# Changes to the fused combine's hand-off that hardware may run wrong: its count made relaxed
+# (no release of the partials), and the barrier before the count removed (thread 0 counts
+# before the other threads of its workgroup have stored theirs).
+UNRELEASED = {
+    "relaxed count": ("is_last = atomic_add_acq_rel_i32(ctr, 1) == np_seq - 1;",
+                      "is_last = atomic_add_i32(ctr, 1) == np_seq - 1;"),
+    "count before the stores": ("  barrier();\n  if (thread_idx() == 0) is_last", "  if (thread_idx() == 0) is_last"),
+}
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("mutation", [None, *UNRELEASED])
+def test_fused_combine_reads_only_released_partials(platform, mutation, tmp_path, monkeypatch):
+    """memory_model="release" (the emulator's default): a workgroup's partials stay hidden from
+    the others until its acquire-release count (or its grid's end). The kernel as written is
+    right under it, in grid order and interleaved; each change of UNRELEASED makes the last
+    workgroup combine poisoned partials there, while every store visible at once
+    ("sequential") hides the bug -- so the model, not the schedule, is what catches it."""
+    from cpa.inputs import make_paged_inputs
+
+    if mutation is not None:
+        import shutil
+
+        csrc = tmp_path / "csrc"
+        shutil.copytree(emu.CSRC, csrc)
+        old, new = UNRELEASED[mutation]
+        text = (csrc / "attention.h").read_text()
+        assert text.count(old) == 1, f"the fused combine no longer reads {old!r}: update UNRELEASED"
+        (csrc / "attention.h").write_text(text.replace(old, new))
+        monkeypatch.setattr(emu, "CSRC", csrc)
+    g, P, lens = GQA[platform]["mfma16"], 256, [300, 700, 1000]
+    inp = make_paged_inputs(len(lens), g * 2, 2, 128, 16, lens, dtype=torch.float16, seed=5)
+    kw = inp.as_kwargs()
+    ref = reference.paged_attention(**kw)
+    tol = reference.REL_ERR_TOL[torch.float16]
+
+    def err(model, at_once):
+        out = emu.paged_attention(**kw, partition_size=P, tiling="mfma16", platform=platform, fused_reduce=True,
+                                  memory_model=model, workgroups_at_once=at_once, schedule_seed=3)
+        return reference.relative_error(out, ref, per_seq=True)
+
+    for at_once in (1, 4):
+        assert err("sequential", at_once) <= tol
+        released = err("release", at_once)
+        if mutation is None:
+            assert released <= tol
+        else:
+            assert not released <= tol, f"{mutation}: the combine read unreleased partials and got them right"
+    with pytest.raises(ValueError, match="memory_model"):
+        emu.paged_attention(**kw, partition_size=P, tiling="mfma16", platform=platform, memory_model="tso")
+
+
 CLUSTER = [("mfma16", 256, (1, 17, 255, 256, 257, 700)), ("mfma4", 512, (5, 600, 1800, 3000)),
            ("scalar", 256, (40, 2100, 4000))]
 

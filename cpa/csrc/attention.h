@@ -943,8 +943,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
         const int h = Tl::lhead(lh);
         if (h < p.gqa) {
           const int64_t idx = (row0 + h) * p.max_num_partitions + part;
-          p.max_logits[idx] = m[lh] * kLn2;
-          p.exp_sums[idx] = l[lh];
+          store_partial(p.max_logits + idx, m[lh] * kLn2);
+          store_partial(p.exp_sums + idx, l[lh]);
         }
       }
     }
@@ -963,7 +963,7 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
         for (int e = 0; e < NO; ++e) {
           int h, d;
           Tl::o_coord(e, h, d);
-          if (h < p.gqa) dst[h * head_stride + d] = o[e];
+          if (h < p.gqa) store_partial(dst + h * head_stride + d, o[e]);
         }
       }
       if (p.out_direct) {

@@ -150,7 +150,7 @@ CPA_DEVICE int atomic_add_acq_rel_i32(int* p, int v) {
 #if CPA_HIP
   return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
 #elif defined(CPA_EMU)
-  return ::cpa_emu::fetch_add(p, v);
+  return ::cpa_emu::fetch_add(p, v, true);
 #else
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -244,18 +244,35 @@ CPA_DEVICE u32x2 load8_kv(const void* p) {
   return load8(p);
 #endif
 }
+// A store that other workgroups of this launch read before it ends (the fused combine's
+// partials). The emulator holds it back until the workgroup's next release (emu/wave_emu.h).
+CPA_DEVICE void store_partial(float* p, float v) {
+#if defined(CPA_EMU)
+  ::cpa_emu::store_partial(p, v);
+#else
+  *p = v;
+#endif
+}
 // Loads of data other workgroups wrote during this launch: served by the L2, not a
 // possibly stale L1 line (NVIDIA ld.global.cg; on AMD the agent-scope acquire fence
 // before them invalidates the vector L1).
 CPA_DEVICE float load_f32_l2(const float* p) {
-#if CPA_HIP
+#if defined(CPA_EMU)
+  return ::cpa_emu::load_partial(p);
+#elif CPA_HIP
   return *p;
 #else
   return __ldcg(p);
 #endif
 }
 CPA_DEVICE u32x4 load16_l2(const void* p) {
-#if CPA_HIP
+#if defined(CPA_EMU)
+  float x[4];
+  for (int i = 0; i < 4; ++i) x[i] = ::cpa_emu::load_partial(static_cast<const float*>(p) + i);
+  u32x4 v;
+  memcpy(&v, x, sizeof v);
+  return v;
+#elif CPA_HIP
   return load16(p);
 #else
   uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));

@@ -34,6 +34,15 @@
 // last-arriver count) at wave-operation granularity; it is not a memory-model test (no
 // reordering, no stale reads). Every access to the schedule's shared state (the next workgroup,
 // the first error) is made by the thread holding the turn, after the baton's mutex handed it on.
+// What another workgroup of the same launch may read -- the fused combine's partials, stored
+// through platform.h's store_partial -- is held back by default (set_schedule's weak_stores):
+// such a store becomes visible to other workgroups only at a release by its workgroup (an
+// acquire-release or release RMW, a device-scope fence) or when its grid has ended (for a PDL
+// dependent: at its griddepcontrol.wait); its own workgroup reads it at once. A relaxed atomic
+// releases nothing. So a count made relaxed, or a partial stored after the count, makes the
+// last workgroup combine poisoned partials even in grid order (tests/test_emu.py, by mutation).
+// The release side only: loads are not held to an acquire (the last workgroup's loads after
+// its count are not checked to be ordered after it).
 // `__shared__` is a function-local static, thread_local: one emulated workgroup at a time per
 // host thread.
 #pragma once
@@ -104,6 +113,11 @@ struct Group {
   std::function<void()> body;
   std::string error;
   long long wave_ops = 0, barriers = 0;
+  // weak_stores: this workgroup's partial stores since its last release (its own loads see
+  // them), and the launch's list of those its ended workgroups never released (null: every
+  // store is visible at once)
+  std::vector<std::pair<float*, float>> unreleased;
+  std::vector<std::pair<float*, float>>* ended = nullptr;
 };
 
 // (per host thread: two Python threads may run the emulator at once; a workgroup's fibers all
@@ -163,12 +177,47 @@ struct Schedule {
   int workers = 1;
   uint64_t seed = 0;
   bool until_blocked = false;  // the turns: a random pick after every round, or kept until a wait
+  bool weak_stores = true;     // partial stores held back until a release (the header's note)
   long long switches = 0;  // of the concurrent launches since set_schedule
 };
 // (per calling thread, as the emulator's other state)
 inline Schedule& schedule() {
   static thread_local Schedule s;
   return s;
+}
+
+// weak_stores (the header's note). Every call is made by the host thread holding the turn.
+inline void apply(std::vector<std::pair<float*, float>>& stores) {
+  for (const auto& st : stores) *st.first = st.second;
+  stores.clear();
+}
+// platform.h's store_partial: held back until a release, or at once without weak_stores
+inline void store_partial(float* p, float v) {
+  Group& g = group();
+  if (g.ended) {
+    g.unreleased.push_back({p, v});
+  } else {
+    *p = v;
+  }
+}
+// platform.h's loads of partials (load_f32_l2): this workgroup's own held stores, else memory
+inline float load_partial(const float* p) {
+  const Group& g = group();
+  for (auto it = g.unreleased.rbegin(); it != g.unreleased.rend(); ++it)
+    if (it->first == p) return it->second;
+  return *p;
+}
+// A release by this workgroup: its held stores become visible to every workgroup.
+inline void release() { apply(group().unreleased); }
+// The workgroup ended: what it never released stays held until its grid ends.
+inline void end_of_workgroup(Group& g) {
+  if (g.ended) g.ended->insert(g.ended->end(), g.unreleased.begin(), g.unreleased.end());
+  g.unreleased.clear();
+}
+// A device-scope fence (__threadfence, the agent-scope fence of HIP) releases; narrower scopes
+// order within the workgroup only.
+inline void fence(const char* scope) {
+  if (strcmp(scope, "agent") == 0) release();
 }
 
 // A thread-block cluster of the emulated launch (the CUDA side's cluster combine): its arrivals
@@ -390,6 +439,7 @@ inline bool grid_block(Group& g) {
 inline bool run_group(int threads, int bx, int by, int bz, std::function<void()> body, int stack_bytes = 1 << 17) {
   Group& g = group();
   g.error.clear();
+  g.unreleased.clear();
   g.threads = threads;
   g.block[0] = bx; g.block[1] = by; g.block[2] = bz;
   g.body = std::move(body);
@@ -476,7 +526,10 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
         if (L[l].op != kDone) L[l].op = kRun;
       progressed = true;
     }
-    if (!any_live) return true;
+    if (!any_live) {
+      end_of_workgroup(g);
+      return true;
+    }
     if (!g.error.empty()) {
       last_error() = g.error;
       return false;
@@ -557,10 +610,15 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   const int n = cluster > 1 ? cluster : 1;
   std::vector<std::array<int, 3>> order;  // single workgroups in grid order, or clusters (x, z)
   if (!dispatch_units(gx, gy, gz, n, order)) return false;
+  std::vector<std::pair<float*, float>> ended;  // weak_stores: held past their workgroup's end
+  std::vector<std::pair<float*, float>>* held = sch.weak_stores ? &ended : nullptr;
   if (sch.workers <= 1 && n == 1) {
-    for (const auto& b : order)
-      if (!run_group(threads, b[0], b[1], b[2], body)) return false;
-    return true;
+    group().ended = held;
+    bool ok = true;
+    for (size_t i = 0; ok && i < order.size(); ++i) ok = run_group(threads, order[i][0], order[i][1], order[i][2], body);
+    group().ended = nullptr;
+    apply(ended);
+    return ok;
   }
   std::mt19937_64 rng(sch.seed);
   std::shuffle(order.begin(), order.end(), rng);
@@ -568,7 +626,8 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   const int workers = slots * n;
   std::vector<Cluster> clusters(n > 1 ? order.size() : 0, Cluster(n));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
-  return run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
+  const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
+    g.ended = held;
     bool ok = true;
     if (n == 1) {
       while (ok && !g.baton->abort && next < order.size()) {
@@ -585,8 +644,11 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
       }
       g.cluster = nullptr;
     }
+    g.ended = nullptr;
     return ok;
   });
+  apply(ended);  // the grid has ended: its stores are visible to the next launch
+  return ok;
 }
 
 // Grids launched one after another, each a programmatic dependent of the one before (CUDA's
@@ -635,8 +697,11 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   const int workers = std::max(widest, std::min<int>((sch.workers + widest - 1) / widest * widest,
                                                      (int)order.size()));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
-  return run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
+  std::vector<std::pair<float*, float>> ended;  // weak_stores: held past their workgroup's end
+  std::vector<std::pair<float*, float>>* held = sch.weak_stores ? &ended : nullptr;
+  const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     Baton& baton = *g.baton;
+    g.ended = held;
     bool ok = true;
     while (ok && !baton.abort && next < order.size()) {
       const std::array<int, 5> b = order[next++];
@@ -660,13 +725,19 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
       if (!ok && error.empty()) error = last_error();
       if (ok && g.pdl_next) {
         if (!g.triggered) count_trigger(g);
-        if (++g.pdl_next->done == g.pdl_next->primaries) unblock(baton, g.pdl_next->grid_waiters);
+        if (++g.pdl_next->done == g.pdl_next->primaries) {
+          apply(ended);  // the grid has ended: its stores are visible past the dependent's wait
+          unblock(baton, g.pdl_next->grid_waiters);
+        }
       }
     }
     g.pdl_prior = g.pdl_next = nullptr;
     g.cluster = nullptr;
+    g.ended = nullptr;
     return ok;
   });
+  apply(ended);
+  return ok;
 }
 
 template <class V>
@@ -727,7 +798,10 @@ inline uint32_t movmatrix_trans(uint32_t x) {
   return group().lanes[group().cur].res;
 }
 
-inline int fetch_add(int* p, int v) {
+// An atomic add; `releases`: an acquire-release (or release) RMW, which publishes the
+// workgroup's held stores first (a relaxed one publishes nothing).
+inline int fetch_add(int* p, int v, bool releases) {
+  if (releases) release();
   const int old = *p;
   *p = old + v;
   return old;
@@ -744,7 +818,7 @@ inline int fetch_add(int* p, int v) {
 #define __builtin_amdgcn_workgroup_id_z() (::cpa_emu::group().block[2])
 #define __builtin_amdgcn_s_barrier() ::cpa_emu::arrive(::cpa_emu::kBarrier)
 #define __builtin_amdgcn_wave_barrier() ::cpa_emu::arrive(::cpa_emu::kWaveBarrier)
-#define __builtin_amdgcn_fence(order, scope) ((void)0)
+#define __builtin_amdgcn_fence(order, scope) ::cpa_emu::fence(scope)
 #define __builtin_amdgcn_ds_bpermute(addr, v) ::cpa_emu::bpermute((addr), (v))
 #define __builtin_amdgcn_exp2f(x) ::exp2f(x)
 #define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) \
@@ -756,7 +830,7 @@ inline int fetch_add(int* p, int v) {
 #define __builtin_amdgcn_mfma_f32_4x4x4bf16_1k(a, b, c, cbsz, abid, blgp) \
   ::cpa_emu::mfma<::cpa_emu::kMfma4, true>((a), (b), (c))
 #define __HIP_MEMORY_SCOPE_AGENT 0
-#define __hip_atomic_fetch_add(p, v, order, scope) ::cpa_emu::fetch_add((p), (v))
+#define __hip_atomic_fetch_add(p, v, order, scope) ::cpa_emu::fetch_add((p), (v), (order) != __ATOMIC_RELAXED)
 #define __hip_atomic_store(p, v, order, scope) ((void)(*(p) = (v)))
 #else  // CPA_CUDA: the CUDA built-ins platform.h's CUDA branches call (its PTX asm has CPA_EMU branches)
 namespace cpa_emu {
@@ -777,7 +851,7 @@ inline V shfl(V v, int src) {
 #define blockIdx (::cpa_emu::block_index())
 #define __syncthreads() ::cpa_emu::arrive(::cpa_emu::kBarrier)
 #define __syncwarp() ::cpa_emu::arrive(::cpa_emu::kWaveBarrier)
-#define __threadfence() ((void)0)
+#define __threadfence() ::cpa_emu::fence("agent")
 // (the kernels shuffle with the full mask only: every lane of the warp takes part)
 #define __shfl_xor_sync(mask, v, m) ::cpa_emu::shfl((v), ::cpa_emu::lane_now() ^ (m))
 #define __shfl_sync(mask, v, src) ::cpa_emu::shfl((v), (src))
@@ -785,7 +859,7 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 template <class P> inline P __ldg(const P* p) { return *p; }
 template <class P> inline P __ldcg(const P* p) { return *p; }
-inline int atomicAdd(int* p, int v) { return ::cpa_emu::fetch_add(p, v); }
+inline int atomicAdd(int* p, int v) { return ::cpa_emu::fetch_add(p, v, false); }  // (relaxed)
 inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
 // __byte_perm(x, y, s): byte n of the result is byte (s >> 4n) & 7 of the 8 bytes {y, x}
 // (x bytes 0-3, y bytes 4-7)
