@@ -11,7 +11,8 @@
 //    thread-block clusters (barrier.cluster, ld.shared::cluster: run_grid's cluster launches);
 //    and programmatic dependent launch (griddepcontrol: run_pdl_chain).
 //    Not emulated: cache hints, cp.async / TMA (staged loops).
-// It checks lane mappings and control flow, not timing, ISA or the memory model: every lane is a
+// It checks lane mappings and control flow, not timing or ISA (of the memory model, only the
+// release of the partials: below): every lane is a
 // fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
 // shuffle, a wave barrier) or a workgroup barrier; when every live lane of a wave is waiting
 // at the same wave-wide operation it is computed for the whole wave, and a barrier opens when
