@@ -943,7 +943,8 @@ __global__ void __launch_bounds__(Cfg::THREADS, Cfg::min_blocks) paged_attention
         const int h = Tl::lhead(lh);
         if (h < p.gqa) {
           const int64_t idx = (row0 + h) * p.max_num_partitions + part;
-          store_partial(p.max_logits + idx, m[lh] * kLn2);
+          const float max_logit = m[lh] * kLn2;  // (before the address, as the assignment was)
+          store_partial(p.max_logits + idx, max_logit);
           store_partial(p.exp_sums + idx, l[lh]);
         }
       }
