@@ -351,37 +351,6 @@ def _wait_on_kernel():
         raise RuntimeError("kernel failed") from e  # its frame's f_back the whole compile stack
 
 
-class _WrappedFailure(_KeptFailure):
-    """The SubprocException path of torch 2.11 (H100, twenty-sixth session): the caller sees
-    a wrapper raised outside the handler (no context) that holds the inner failure only as an
-    attribute; the original stays in a library cache, its frames linked to the compile frames."""
-
-    def verify(self, state, built):
-        copy = state.kwargs["key_cache"].clone()
-        _ROW_COPIES.append(weakref.ref(copy))
-        failure = None
-        try:
-            _compile_frame(copy)
-        except RuntimeError as inner:
-            failure = inner
-        del copy
-        raise _WrappedError(failure)
-
-
-def test_failed_row_keeps_no_point_data_through_a_wrapped_failure():
-    r = _WrappedFailure(replays=1)
-    r.begin()
-    pt = S.make_point(dict(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_seq_len=40))
-    state = r.open_point(pt, seed=1)
-    res = S._run_row(r, state, S.RowVariant("mfma16", 64))
-    assert res["error"] == "_WrappedError: RuntimeError: kernel failed" and not res["verified"]
-    gc.collect()
-    assert _KEPT_ERRORS, "the stand-in library keeps its failure"
-    assert _ROW_COPIES[-1]() is None, "a kept inner failure's frames still hold the row's copy"
-    r.close_point(state)
-    _KEPT_ERRORS.clear()
-
-
 def _compile_with_closure(copy):  # Dynamo's _compile: its inner function closes over the copy
     def compile_inner():
         return _raise_as_the_pool_does(copy)
@@ -402,34 +371,46 @@ def _raise_as_the_pool_does(copy):
         raise RuntimeError("renamed") from e
 
 
-class _ClosureFailure(_KeptFailure):
-    """Today's H100 chain (twenty-seventh session, 256 x 16k): the copy is a closure cell of the
-    compile functions whose frames the kept failure's traceback holds. A frame holds its
-    function, and the function its cells, so clearing the frames' locals does not free it."""
+class _WrappedFailure(_KeptFailure):
+    """The SubprocException path of torch 2.11 (H100, twenty-sixth session): the caller sees
+    a wrapper raised outside the handler (no context) that holds the inner failure only as an
+    attribute; the original stays in a library cache, its frames linked to the compile frames."""
+
+    compile = staticmethod(_compile_frame)
 
     def verify(self, state, built):
         copy = state.kwargs["key_cache"].clone()
         _ROW_COPIES.append(weakref.ref(copy))
         failure = None
         try:
-            _compile_with_closure(copy)
+            self.compile(copy)
         except RuntimeError as inner:
             failure = inner
         del copy
         raise _WrappedError(failure)
 
 
-def test_failed_row_keeps_no_point_data_through_a_closure():
-    r = _ClosureFailure(replays=1)
+class _ClosureFailure(_WrappedFailure):
+    """Today's H100 chain (twenty-seventh session, 256 x 16k): the copy is a closure cell of the
+    compile functions whose frames the kept failure's traceback holds. A frame holds its
+    function, and the function its cells, so clearing the frames' locals does not free it."""
+
+    compile = staticmethod(_compile_with_closure)
+
+
+@pytest.mark.parametrize("runner,inner", [(_WrappedFailure, "kernel failed"), (_ClosureFailure, "renamed")],
+                         ids=["frame-locals", "closure-cells"])
+def test_failed_row_keeps_no_point_data_through_a_wrapped_failure(runner, inner):
+    r = runner(replays=1)
     r.begin()
     pt = S.make_point(dict(num_seqs=2, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, max_seq_len=40))
     state = r.open_point(pt, seed=1)
     res = S._run_row(r, state, S.RowVariant("mfma16", 64))
-    assert res["error"] == "_WrappedError: RuntimeError: renamed" and not res["verified"]
+    assert res["error"] == f"_WrappedError: RuntimeError: {inner}" and not res["verified"]
     gc.collect()
     assert _KEPT_ERRORS, "the stand-in library keeps its failure"
-    assert _ROW_COPIES[-1]() is None, "a kept failure's frames hold the functions whose cells hold the copy"
-    assert "in a subprocess" in str(_KEPT_ERRORS[-1])  # the library's exception is still usable
+    assert _ROW_COPIES[-1]() is None, "a kept inner failure's frames (or their functions' cells) hold the row's copy"
+    assert str(_KEPT_ERRORS[-1]) == "in a subprocess"  # the library's kept failure keeps its message
     r.close_point(state)
     _KEPT_ERRORS.clear()
 
