@@ -604,6 +604,9 @@ def test_cli_runs_variants_through_the_emulator():
     assert ran("--platform", "cuda", "--tilings", "mfma16", "--seq-lens", "5,1000", "--pdl", "--cluster",
                "--workgroups-at-once", "8") == ["mfma16-p256-h128-b16-fp16-kvauto-g8-cuda"]
     assert "CUDA's" in refused("--tilings", "mfma16", "--pdl")
+    assert ran("--tilings", "mfma16", "--seq-lens", "5,1000", "--fused", "--memory-model", "sequential") == [
+        "mfma16-p256-h128-b16-fp16-kvauto-g16-hip"]
+    assert "release, sequential" in refused("--memory-model", "tso")
 
 
 def test_two_threads_emulate_at_once():
