@@ -27,14 +27,15 @@
 // pass 0.
 // Workgroups run one after another by default; with set_schedule(workers > 1, seed) a launch's
 // workgroups are dispatched in a seeded random order to `workers` host threads that take turns
-// (one runs at a time, so memory stays sequentially consistent): after every scheduling round of
+// (one runs at a time): after every scheduling round of
 // the running workgroup (a wave-wide operation or a barrier computed) a seeded random pick among
 // the live workgroups runs next (or, turns "until_blocked", the running one goes on until it
 // waits at a cluster barrier or ends: a workgroup that runs ahead of its cluster). That
 // interleaves the workgroups that share counters (the shared steps' tickets, the fused reduce's
-// last-arriver count) at wave-operation granularity; it is not a memory-model test (no
-// reordering, no stale reads). Every access to the schedule's shared state (the next workgroup,
-// the first error) is made by the thread holding the turn, after the baton's mutex handed it on.
+// last-arriver count) at wave-operation granularity; interleaving alone is not a memory-model
+// test (no reordering, no stale reads: the held stores below are). Every access to the
+// schedule's shared state (the next workgroup, the first error) is made by the thread holding
+// the turn, after the baton's mutex handed it on.
 // What another workgroup of the same launch may read -- the fused combine's partials, stored
 // through platform.h's store_partial -- is held back by default (set_schedule's weak_stores):
 // such a store becomes visible to other workgroups only at a release by its workgroup (an
@@ -92,6 +93,8 @@ struct Lane {
 struct Baton;
 struct Cluster;
 struct Pdl;
+// Partial stores held back from the other workgroups (weak_stores): where, and the value.
+using HeldStores = std::vector<std::pair<float*, float>>;
 
 struct Group {
   Baton* baton = nullptr;  // concurrent workgroups: the turn to hand on after each round
@@ -117,8 +120,8 @@ struct Group {
   // weak_stores: this workgroup's partial stores since its last release (its own loads see
   // them), and the launch's list of those its ended workgroups never released (null: every
   // store is visible at once)
-  std::vector<std::pair<float*, float>> unreleased;
-  std::vector<std::pair<float*, float>>* ended = nullptr;
+  HeldStores unreleased;
+  HeldStores* ended = nullptr;
 };
 
 // (per host thread: two Python threads may run the emulator at once; a workgroup's fibers all
@@ -188,7 +191,7 @@ inline Schedule& schedule() {
 }
 
 // weak_stores (the header's note). Every call is made by the host thread holding the turn.
-inline void apply(std::vector<std::pair<float*, float>>& stores) {
+inline void apply(HeldStores& stores) {
   for (const auto& st : stores) *st.first = st.second;
   stores.clear();
 }
@@ -611,8 +614,8 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   const int n = cluster > 1 ? cluster : 1;
   std::vector<std::array<int, 3>> order;  // single workgroups in grid order, or clusters (x, z)
   if (!dispatch_units(gx, gy, gz, n, order)) return false;
-  std::vector<std::pair<float*, float>> ended;  // weak_stores: held past their workgroup's end
-  std::vector<std::pair<float*, float>>* held = sch.weak_stores ? &ended : nullptr;
+  HeldStores ended;  // weak_stores: held past their workgroup's end
+  HeldStores* held = sch.weak_stores ? &ended : nullptr;
   if (sch.workers <= 1 && n == 1) {
     group().ended = held;
     bool ok = true;
@@ -698,8 +701,8 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   const int workers = std::max(widest, std::min<int>((sch.workers + widest - 1) / widest * widest,
                                                      (int)order.size()));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
-  std::vector<std::pair<float*, float>> ended;  // weak_stores: held past their workgroup's end
-  std::vector<std::pair<float*, float>>* held = sch.weak_stores ? &ended : nullptr;
+  HeldStores ended;  // weak_stores: held past their workgroup's end
+  HeldStores* held = sch.weak_stores ? &ended : nullptr;
   const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     Baton& baton = *g.baton;
     g.ended = held;
