@@ -671,9 +671,10 @@ def emu_check(
     pdl: bool = typer.Option(False, help="the launches chained as sm_90 makes them (--platform cuda): a kernel "
                              "writing the inputs, the attention kernel and the reduce kernel, each a programmatic "
                              "dependent of the one before, started beside it and waiting at griddepcontrol.wait."),
-    memory_model: str = typer.Option("release", help="release (a workgroup's partial stores are hidden from the "
-                                     "other workgroups until it releases them or its grid ends) or sequential "
-                                     "(every store visible at once)."),
+    memory_model: str = typer.Option("acquire-release", help="acquire-release (a workgroup's partial stores are "
+                                     "hidden from the other workgroups until it releases them or its grid ends, "
+                                     "and from each of their threads until it has acquired the release), release "
+                                     "(hidden until released) or sequential (every store visible at once)."),
 ) -> None:
     """Run kernel variants on the CPU through the wave emulator (cpa.emu) against
     cpa.reference: the AMD code path executed without an AMD GPU, or the NVIDIA one without an

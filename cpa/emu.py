@@ -9,8 +9,9 @@ computed once every live lane of the wave has reached it (lanes of one wave wait
 different ones are reported as a divergent collective). The grid is walked one workgroup at
 a time. It checks the AMD lane mappings, control flow and results against ``cpa.reference``;
 it says nothing about MI300 timing or ISA scheduling. Of the memory model it checks the release
-side of the fused combine: a workgroup's partials are hidden from the others until it releases
-them (``memory_model="release"``, the default).
+and acquire of the fused combine's partials: a workgroup's partials are hidden from the others
+until it releases them, and from each thread of another workgroup until that thread has acquired
+the release (``memory_model="acquire-release"``, the default).
 
 A ``cuda`` variant runs the CUDA side the same way (``-DCPA_EMU_CUDA``: warp32, the shuffles,
 ``mma.sync.m16n8k16`` / ``m16n8k8`` and ``movmatrix`` with the PTX fragment layouts), so the
@@ -53,12 +54,14 @@ UNEMULATED = {"CPA_KV_ASYNC": "the staged / ring main loops (cp.async, TMA) are 
 # how the emulated workgroups of a concurrent launch take turns (wave_emu.h's Baton)
 TURNS = ("random", "until_blocked")
 # when a workgroup's partial stores become visible to the other workgroups of its launch
-# (wave_emu.h): "release" -- at its next release (an acquire-release RMW or a device-scope
-# fence) or when its grid ends; "sequential" -- at once
-MEMORY_MODELS = ("release", "sequential")
+# (wave_emu.h): "acquire-release" -- released at its next release (an acquire-release RMW or a
+# device-scope fence) or when its grid ends, and seen by another workgroup's thread once that
+# thread has acquired (an acquiring RMW or fence, griddepcontrol.wait, or a barrier after a
+# thread of its workgroup did); "release" -- released so, seen at once; "sequential" -- at once
+MEMORY_MODELS = ("acquire-release", "release", "sequential")
 
 
-def check_schedule(workgroups_at_once, turns, memory_model="release") -> None:
+def check_schedule(workgroups_at_once, turns, memory_model="acquire-release") -> None:
     """ValueError unless `workgroups_at_once` (1-64), `turns` (TURNS) and `memory_model`
     (MEMORY_MODELS) name a schedule the emulator runs; paged_attention and `cpa emu` ask it
     before any build."""
@@ -173,7 +176,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
                     check_values: bool = True, fp8_format: str | None = None, platform: str = "hip",
                     shared_steps: bool = False, cluster_reduce: bool = False, flags=(), workgroups_at_once: int = 1,
                     schedule_seed: int = 0, turns: str = "random", pdl: bool = False,
-                    memory_model: str = "release"):
+                    memory_model: str = "acquire-release"):
     """The HIP (or, ``platform="cuda"``, the CUDA) kernel of (tiling, partition_size) on CPU
     tensors, through the wave emulator:
     the attention kernel, then the reduce kernel (or, with ``fused_reduce``, the last workgroup
@@ -205,10 +208,14 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
     reads beside the kernel before it (poisoned or half-written inputs, partials). With
     ``cluster_reduce`` the attention kernel is a cluster launch in the chain, as launch.h makes it
     (its clusters taken up whole, ``workgroups_at_once`` rounded up to whole clusters).
-    ``memory_model``: "release" (the default) holds each workgroup's partial stores (the fused
-    combine's inputs) back from the other workgroups until that workgroup releases them (an
-    acquire-release count or a device-scope fence) or its grid ends, so a combine that reads
-    them unreleased reads the NaN poison; "sequential" makes every store visible at once."""
+    ``memory_model``: "acquire-release" (the default) holds each workgroup's partial stores (the
+    fused combine's inputs) back from the other workgroups until that workgroup releases them (an
+    acquire-release count or a device-scope fence) or its grid ends, and a thread of another
+    workgroup sees a release only once it has acquired (an acquiring count or fence,
+    griddepcontrol.wait, or a barrier passed after a thread of its workgroup acquired), so a
+    combine that reads them unreleased or unacquired reads the NaN poison; "release" holds the
+    stores so but lets every thread see a release at once; "sequential" makes every store
+    visible at once."""
     flags = check_flags(flags)
     check_schedule(workgroups_at_once, turns, memory_model)
     shape = validate_paged_attention_args(
@@ -270,8 +277,9 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale
         key_cache, value_cache, block_tables, seq_lens, query = runs
     tensors = [query, key_cache, value_cache, block_tables, seq_lens, alibi_slopes]
     reduce = parts > 1 and not fused and not cluster
+    # (launch_emu.h numbers the models by strength: sequential 0, release 1, acquire-release 2)
     k.lib.cpa_emu_set_schedule(workgroups_at_once, schedule_seed, int(turns == "until_blocked"),
-                               int(memory_model == "release"))
+                               MEMORY_MODELS[::-1].index(memory_model))
     # (with pdl the launches below are held, then run as one chain by cpa_emu_run_pdl)
     n = len(copies)
     k.check(k.lib.cpa_emu_set_pdl(int(pdl), n, (ctypes.c_void_p * n)(*(d.data_ptr() for d, _ in copies)),
@@ -306,7 +314,7 @@ def check(tiling: str, partition_size: int, *, dtype: str = "fp16", kv_cache_dty
           num_kv_heads: int = 2, fused_reduce: bool = False, seed: int | None = None,
           fp8_format: str | None = None, platform: str = "hip", flags=(), shared_steps: bool = False,
           workgroups_at_once: int = 1, schedule_seed: int = 0, turns: str = "random",
-          cluster_reduce: bool = False, pdl: bool = False, memory_model: str = "release") -> dict:
+          cluster_reduce: bool = False, pdl: bool = False, memory_model: str = "acquire-release") -> dict:
     """One HIP (or CUDA) variant on one random batch through the emulator against cpa.reference: a row
     with the variant, the wave operations emulated, the seconds taken, the relative error and
     whether it is within the GPU tests' tolerance (``ok``). Raises ValueError for a

@@ -96,8 +96,9 @@ else:
 # (`pdl=True`: a kernel writing the inputs, the attention kernel, the reduce kernel, each started
 # beside the one before and held at `griddepcontrol.wait` until it has ended; a kernel that read
 # the inputs or the partials before its wait would read poison here). One workgroup runs at a
-# time: interleavings, plus the release side of the memory model (a workgroup's partials are
-# hidden from the others until its acquire-release count publishes them).
+# time: interleavings, plus the release and acquire of the memory model (a workgroup's partials
+# are hidden from the others until its acquire-release count publishes them, and from each thread
+# of the last workgroup until it has acquired them).
 
 # %%
 try:

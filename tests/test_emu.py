@@ -357,35 +357,53 @@ def test_concurrent_workgroups_in_the_emulator(platform, tiling):
         emu.paged_attention(**kw, partition_size=P, tiling=tiling, platform=platform, workgroups_at_once=0)
 
 
-# Changes to the fused combine's hand-off that hardware may run wrong: its count made relaxed
-# (no release of the partials), and the barrier before the count removed (thread 0 counts
-# before the other threads of its workgroup have stored theirs).
-UNRELEASED = {
-    "relaxed count": ("is_last = atomic_add_acq_rel_i32(ctr, 1) == np_seq - 1;",
-                      "is_last = atomic_add_i32(ctr, 1) == np_seq - 1;"),
-    "count before the stores": ("  barrier();\n  if (thread_idx() == 0) is_last", "  if (thread_idx() == 0) is_last"),
+# Changes to the fused combine's hand-off, each with the memory models that catch it (file,
+# text, its replacement). Hardware may run the first four wrong: the count made relaxed (no
+# release of the partials), the barrier before the count removed (thread 0 counts before the
+# other threads of its workgroup have stored theirs), the count made release-only (the last
+# workgroup's loads are not ordered after the others' releases), the barrier after the count
+# removed (only thread 0 has acquired). The last is right: a relaxed count between two
+# device-scope fences (the classic threadfence reduction), which no model may flag.
+HANDOFF = {
+    "relaxed count": ({"release", "acquire-release"}, [
+        ("attention.h", "is_last = atomic_add_acq_rel_i32(ctr, 1) == np_seq - 1;",
+         "is_last = atomic_add_i32(ctr, 1) == np_seq - 1;")]),
+    "count before the stores": ({"release", "acquire-release"}, [
+        ("attention.h", "  barrier();\n  if (thread_idx() == 0) is_last", "  if (thread_idx() == 0) is_last")]),
+    "release-only count": ({"acquire-release"}, [
+        ("platform.h", "__ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT", "__ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT"),
+        ("platform.h", "fetch_add(p, v, __ATOMIC_ACQ_REL)", "fetch_add(p, v, __ATOMIC_RELEASE)")]),
+    "no barrier after the count": ({"acquire-release"}, [
+        ("attention.h", "  barrier();\n  if (!is_last) return;", "  if (!is_last) return;")]),
+    "fenced relaxed count": (set(), [
+        ("attention.h", "is_last = atomic_add_acq_rel_i32(ctr, 1) == np_seq - 1;",
+         "{ fence_device(); is_last = atomic_add_i32(ctr, 1) == np_seq - 1; fence_device(); }")]),
 }
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
-@pytest.mark.parametrize("mutation", [None, *UNRELEASED])
-def test_fused_combine_reads_only_released_partials(platform, mutation, tmp_path, monkeypatch):
-    """memory_model="release" (the emulator's default): a workgroup's partials stay hidden from
-    the others until its acquire-release count (or its grid's end). The kernel as written is
-    right under it, in grid order and interleaved; each change of UNRELEASED makes the last
-    workgroup combine poisoned partials there, while every store visible at once
-    ("sequential") hides the bug -- so the model, not the schedule, is what catches it."""
+@pytest.mark.parametrize("mutation", [None, *HANDOFF])
+def test_fused_combine_reads_only_released_and_acquired_partials(platform, mutation, tmp_path, monkeypatch):
+    """memory_model="acquire-release" (the emulator's default): a workgroup's partials stay hidden
+    from the others until its acquire-release count (or its grid's end), and from each thread of
+    the last workgroup until it has acquired (its own count, or thread 0's passed on by the
+    barrier after it). The kernel as written is right under every model, in grid order and
+    interleaved; each wrong change of HANDOFF makes the last workgroup combine poisoned partials
+    under the models that name it and is hidden under the weaker ones -- so the model, not the
+    schedule, is what catches it -- and the right one passes under all."""
     from cpa.inputs import make_paged_inputs
 
+    caught = set()
     if mutation is not None:
         import shutil
 
         csrc = tmp_path / "csrc"
         shutil.copytree(emu.CSRC, csrc)
-        old, new = UNRELEASED[mutation]
-        text = (csrc / "attention.h").read_text()
-        assert text.count(old) == 1, f"the fused combine no longer reads {old!r}: update UNRELEASED"
-        (csrc / "attention.h").write_text(text.replace(old, new))
+        caught, edits = HANDOFF[mutation]
+        for name, old, new in edits:
+            text = (csrc / name).read_text()
+            assert text.count(old) == 1, f"{name} no longer holds {old!r}: update HANDOFF"
+            (csrc / name).write_text(text.replace(old, new))
         monkeypatch.setattr(emu, "CSRC", csrc)
     g, P, lens = GQA[platform]["mfma16"], 256, [300, 700, 1000]
     inp = make_paged_inputs(len(lens), g * 2, 2, 128, 16, lens, dtype=torch.float16, seed=5)
@@ -398,13 +416,14 @@ def test_fused_combine_reads_only_released_partials(platform, mutation, tmp_path
                                   memory_model=model, workgroups_at_once=at_once, schedule_seed=3)
         return reference.relative_error(out, ref, per_seq=True)
 
+    assert emu.MEMORY_MODELS[0] == "acquire-release"  # (the default of paged_attention and `cpa emu`)
     for at_once in (1, 4):
-        assert err("sequential", at_once) <= tol
-        released = err("release", at_once)
-        if mutation is None:
-            assert released <= tol
-        else:
-            assert not released <= tol, f"{mutation}: the combine read unreleased partials and got them right"
+        for model in emu.MEMORY_MODELS:
+            e = err(model, at_once)
+            if model in caught:
+                assert not e <= tol, f"{mutation}, {model}: the combine read unpublished partials and got them right"
+            else:
+                assert e <= tol, f"{mutation}, {model}, {at_once} at once: relative error {e:.3g}"
     with pytest.raises(ValueError, match="memory_model"):
         emu.paged_attention(**kw, partition_size=P, tiling="mfma16", platform=platform, memory_model="tso")
 
@@ -606,7 +625,7 @@ def test_cli_runs_variants_through_the_emulator():
     assert "CUDA's" in refused("--tilings", "mfma16", "--pdl")
     assert ran("--tilings", "mfma16", "--seq-lens", "5,1000", "--fused", "--memory-model", "sequential") == [
         "mfma16-p256-h128-b16-fp16-kvauto-g16-hip"]
-    assert "release, sequential" in refused("--memory-model", "tso")
+    assert "acquire-release, release, sequential" in refused("--memory-model", "tso")
 
 
 def test_two_threads_emulate_at_once():

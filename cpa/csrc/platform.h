@@ -150,7 +150,7 @@ CPA_DEVICE int atomic_add_acq_rel_i32(int* p, int v) {
 #if CPA_HIP
   return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT);
 #elif defined(CPA_EMU)
-  return ::cpa_emu::fetch_add(p, v, true);
+  return ::cpa_emu::fetch_add(p, v, __ATOMIC_ACQ_REL);
 #else
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");

@@ -142,11 +142,13 @@ int run_held() {
   extern "C" const char* cpa_emu_error() { return cpa_emu::last_error().c_str(); }                \
   extern "C" long long cpa_emu_wave_ops() { return cpa_emu::group().wave_ops; }                   \
   extern "C" void cpa_emu_set_schedule(int workers, unsigned long long seed, int until_blocked,   \
-                                       int weak_stores) {                                          \
+                                       int memory_model) {                                         \
     cpa_emu::schedule().workers = workers;                                                         \
     cpa_emu::schedule().seed = seed;                                                               \
     cpa_emu::schedule().until_blocked = until_blocked != 0;                                        \
-    cpa_emu::schedule().weak_stores = weak_stores != 0;                                            \
+    /* (cpa.emu.MEMORY_MODELS: 0 sequential, 1 release, 2 acquire-release) */                     \
+    cpa_emu::schedule().weak_stores = memory_model >= 1;                                           \
+    cpa_emu::schedule().acquire_loads = memory_model >= 2;                                         \
     cpa_emu::schedule().switches = 0;                                                              \
   }                                                                                                \
   extern "C" long long cpa_emu_switches() { return cpa_emu::schedule().switches; }               \

@@ -12,7 +12,7 @@
 //    and programmatic dependent launch (griddepcontrol: run_pdl_chain).
 //    Not emulated: cache hints, cp.async / TMA (staged loops).
 // It checks lane mappings and control flow, not timing or ISA (of the memory model, only the
-// release of the partials: below): every lane is a
+// release and acquire of the partials: below): every lane is a
 // fiber, and a fiber runs until it reaches a wave-wide operation (a matrix instruction, a
 // shuffle, a wave barrier) or a workgroup barrier; when every live lane of a wave is waiting
 // at the same wave-wide operation it is computed for the whole wave, and a barrier opens when
@@ -43,8 +43,15 @@
 // dependent: at its griddepcontrol.wait); its own workgroup reads it at once. A relaxed atomic
 // releases nothing. So a count made relaxed, or a partial stored after the count, makes the
 // last workgroup combine poisoned partials even in grid order (tests/test_emu.py, by mutation).
-// The release side only: loads are not held to an acquire (the last workgroup's loads after
-// its count are not checked to be ordered after it).
+// The acquire side (set_schedule's acquire_loads, on by default with weak_stores): a thread's
+// load of a partial another workgroup released during the launch returns the value from before
+// that release unless the thread has acquired since it -- an acquire or acquire-release RMW, an
+// acquiring device-scope fence or griddepcontrol.wait by itself, or by another thread of its
+// workgroup before a barrier they both passed (a wave barrier: of its wave). Each thread starts
+// a launch having acquired nothing of it. So a count made release-only, or the barrier after
+// the count removed (the other threads combine without having acquired), reads the poison too.
+// Not modelled: loads reordered within a thread, a cluster barrier's release or acquire across
+// the cluster (the cluster combine reads distributed shared memory, not partials).
 // `__shared__` is a function-local static, thread_local: one emulated workgroup at a time per
 // host thread.
 #pragma once
@@ -56,6 +63,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -63,6 +71,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #define __device__
@@ -88,6 +97,7 @@ struct Lane {
   float a[4] = {}, b[4] = {}, c[4] = {}, d[4] = {};
   uint32_t ra[4] = {}, rb[2] = {};  // mma.sync: the packed 16-bit operand registers
   bool bf16 = false;
+  long long acquired = 0;  // acquire_loads: the launch's releases this thread has acquired (ReleaseLog)
 };
 
 struct Baton;
@@ -95,6 +105,18 @@ struct Cluster;
 struct Pdl;
 // Partial stores held back from the other workgroups (weak_stores): where, and the value.
 using HeldStores = std::vector<std::pair<float*, float>>;
+// acquire_loads: the partial stores a launch's workgroups released, numbered by release (the
+// header's note), each with the value it overwrote and its workgroup, so that a load by a
+// thread that has not acquired a release returns what was there before it.
+struct ReleaseLog {
+  struct Entry {
+    long long release;
+    float before;
+    long long workgroup;  // Group::serial of the writer
+  };
+  long long releases = 0;
+  std::unordered_map<const float*, std::vector<Entry>> at;
+};
 
 struct Group {
   Baton* baton = nullptr;  // concurrent workgroups: the turn to hand on after each round
@@ -122,6 +144,8 @@ struct Group {
   // store is visible at once)
   HeldStores unreleased;
   HeldStores* ended = nullptr;
+  ReleaseLog* log = nullptr;  // acquire_loads: the launch's releases (null: loads see memory)
+  long long serial = 0;       // this workgroup, among every workgroup the emulator has run
 };
 
 // (per host thread: two Python threads may run the emulator at once; a workgroup's fibers all
@@ -182,6 +206,7 @@ struct Schedule {
   uint64_t seed = 0;
   bool until_blocked = false;  // the turns: a random pick after every round, or kept until a wait
   bool weak_stores = true;     // partial stores held back until a release (the header's note)
+  bool acquire_loads = true;   // and seen by another workgroup's thread only after its acquire
   long long switches = 0;  // of the concurrent launches since set_schedule
 };
 // (per calling thread, as the emulator's other state)
@@ -191,8 +216,13 @@ inline Schedule& schedule() {
 }
 
 // weak_stores (the header's note). Every call is made by the host thread holding the turn.
-inline void apply(HeldStores& stores) {
-  for (const auto& st : stores) *st.first = st.second;
+// Held stores made visible: at a grid's end to everything after it (no log), or at a release
+// by workgroup `serial`, logged as release number `release` of the launch.
+inline void apply(HeldStores& stores, ReleaseLog* log = nullptr, long long release = 0, long long serial = 0) {
+  for (const auto& st : stores) {
+    if (log) log->at[st.first].push_back({release, *st.first, serial});
+    *st.first = st.second;
+  }
   stores.clear();
 }
 // platform.h's store_partial: held back until a release, or at once without weak_stores
@@ -205,23 +235,51 @@ inline void store_partial(float* p, float v) {
   }
 }
 // platform.h's loads of partials (load_f32_l2): this workgroup's own held stores, else memory
+// as this thread has acquired it (acquire_loads: the value before the first release of `p` by
+// another workgroup that the thread has not acquired)
 inline float load_partial(const float* p) {
   const Group& g = group();
   for (auto it = g.unreleased.rbegin(); it != g.unreleased.rend(); ++it)
     if (it->first == p) return it->second;
+  if (g.log) {
+    const auto at = g.log->at.find(p);
+    if (at != g.log->at.end())
+      for (const ReleaseLog::Entry& e : at->second)
+        if (e.release > g.lanes[g.cur].acquired && e.workgroup != g.serial) return e.before;
+  }
   return *p;
 }
-// A release by this workgroup: its held stores become visible to every workgroup.
-inline void release() { apply(group().unreleased); }
+// A release by this workgroup: its held stores become visible to every workgroup (that acquires
+// it, with acquire_loads).
+inline void release() {
+  Group& g = group();
+  apply(g.unreleased, g.log, g.log ? ++g.log->releases : 0, g.serial);
+}
+// An acquire by the running thread: every release of the launch so far is visible to it.
+inline void acquire() {
+  Group& g = group();
+  if (g.log) g.lanes[g.cur].acquired = g.log->releases;
+}
+// __ATOMIC_* orders (the HIP builtins' and the CUDA side's)
+inline bool releases(int order) { return order == __ATOMIC_RELEASE || order == __ATOMIC_ACQ_REL || order == __ATOMIC_SEQ_CST; }
+inline bool acquires(int order) { return order == __ATOMIC_ACQUIRE || order == __ATOMIC_CONSUME || order == __ATOMIC_ACQ_REL || order == __ATOMIC_SEQ_CST; }
+// What one thread has acquired passes to the threads [t0, t1) at a barrier they all pass.
+inline void pass_acquired(Group& g, int t0, int t1) {
+  long long a = 0;
+  for (int t = t0; t < t1; ++t) a = std::max(a, g.lanes[t].acquired);
+  for (int t = t0; t < t1; ++t) g.lanes[t].acquired = a;
+}
 // The workgroup ended: what it never released stays held until its grid ends.
 inline void end_of_workgroup(Group& g) {
   if (g.ended) g.ended->insert(g.ended->end(), g.unreleased.begin(), g.unreleased.end());
   g.unreleased.clear();
 }
-// A device-scope fence (__threadfence, the agent-scope fence of HIP) releases; narrower scopes
-// order within the workgroup only.
-inline void fence(const char* scope) {
-  if (strcmp(scope, "agent") == 0) release();
+// A device-scope fence (__threadfence, the agent-scope fence of HIP) releases and acquires as
+// its order says; narrower scopes order within the workgroup only.
+inline void fence(int order, const char* scope) {
+  if (strcmp(scope, "agent") != 0) return;
+  if (releases(order)) release();
+  if (acquires(order)) acquire();
 }
 
 // A thread-block cluster of the emulated launch (the CUDA side's cluster combine): its arrivals
@@ -444,6 +502,8 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
   Group& g = group();
   g.error.clear();
   g.unreleased.clear();
+  static std::atomic<long long> workgroups{0};
+  g.serial = ++workgroups;
   g.threads = threads;
   g.block[0] = bx; g.block[1] = by; g.block[2] = bz;
   g.body = std::move(body);
@@ -456,6 +516,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
   for (int t = 0; t < threads; ++t) {
     Lane& l = g.lanes[t];
     l.op = kRun;
+    l.acquired = 0;  // (nothing of the launch: its first release is number 1)
     getcontext(&l.ctx);
     l.ctx.uc_stack.ss_sp = g.stacks[t].get();
     l.ctx.uc_stack.ss_size = stack_bytes;
@@ -479,6 +540,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       if (g.lanes[t].op == kGridWait) {
         if (grid_wait_over(g)) {
           g.lanes[t].op = kRun;
+          if (g.log) g.lanes[t].acquired = g.log->releases;  // (griddepcontrol.wait acquires)
           progressed = true;
         } else {
           grid_waiting = true;
@@ -526,6 +588,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
         return false;
       }
       wave_op(g, w * kLanes, op);
+      if (op == kWaveBarrier) pass_acquired(g, w * kLanes, (w + 1) * kLanes);
       for (int l = 0; l < kLanes; ++l)
         if (L[l].op != kDone) L[l].op = kRun;
       progressed = true;
@@ -540,6 +603,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
     }
     if (all_at_barrier) {
       if (barrier_op == kClusterBarrier && !cluster_wait(g)) return false;
+      pass_acquired(g, 0, threads);
       for (int t = 0; t < threads; ++t)
         if (g.lanes[t].op == kBarrier || g.lanes[t].op == kClusterBarrier) g.lanes[t].op = kRun;
       ++g.barriers;
@@ -616,11 +680,15 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   if (!dispatch_units(gx, gy, gz, n, order)) return false;
   HeldStores ended;  // weak_stores: held past their workgroup's end
   HeldStores* held = sch.weak_stores ? &ended : nullptr;
+  ReleaseLog releases;  // acquire_loads
+  ReleaseLog* log = sch.weak_stores && sch.acquire_loads ? &releases : nullptr;
   if (sch.workers <= 1 && n == 1) {
     group().ended = held;
+    group().log = log;
     bool ok = true;
     for (size_t i = 0; ok && i < order.size(); ++i) ok = run_group(threads, order[i][0], order[i][1], order[i][2], body);
     group().ended = nullptr;
+    group().log = nullptr;
     apply(ended);
     return ok;
   }
@@ -632,6 +700,7 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     g.ended = held;
+    g.log = log;
     bool ok = true;
     if (n == 1) {
       while (ok && !g.baton->abort && next < order.size()) {
@@ -649,6 +718,7 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
       g.cluster = nullptr;
     }
     g.ended = nullptr;
+    g.log = nullptr;
     return ok;
   });
   apply(ended);  // the grid has ended: its stores are visible to the next launch
@@ -703,9 +773,12 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   HeldStores ended;  // weak_stores: held past their workgroup's end
   HeldStores* held = sch.weak_stores ? &ended : nullptr;
+  ReleaseLog releases;  // acquire_loads: one for the chain (a thread past its wait has acquired it all)
+  ReleaseLog* log = sch.weak_stores && sch.acquire_loads ? &releases : nullptr;
   const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     Baton& baton = *g.baton;
     g.ended = held;
+    g.log = log;
     bool ok = true;
     while (ok && !baton.abort && next < order.size()) {
       const std::array<int, 5> b = order[next++];
@@ -738,6 +811,7 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
     g.pdl_prior = g.pdl_next = nullptr;
     g.cluster = nullptr;
     g.ended = nullptr;
+    g.log = nullptr;
     return ok;
   });
   apply(ended);
@@ -802,12 +876,13 @@ inline uint32_t movmatrix_trans(uint32_t x) {
   return group().lanes[group().cur].res;
 }
 
-// An atomic add; `releases`: an acquire-release (or release) RMW, which publishes the
-// workgroup's held stores first (a relaxed one publishes nothing).
-inline int fetch_add(int* p, int v, bool releases) {
-  if (releases) release();
+// An atomic add of the __ATOMIC_* `order`: a releasing one publishes the workgroup's held
+// stores first, an acquiring one then acquires (a relaxed one does neither).
+inline int fetch_add(int* p, int v, int order) {
+  if (releases(order)) release();
   const int old = *p;
   *p = old + v;
+  if (acquires(order)) acquire();
   return old;
 }
 
@@ -822,7 +897,7 @@ inline int fetch_add(int* p, int v, bool releases) {
 #define __builtin_amdgcn_workgroup_id_z() (::cpa_emu::group().block[2])
 #define __builtin_amdgcn_s_barrier() ::cpa_emu::arrive(::cpa_emu::kBarrier)
 #define __builtin_amdgcn_wave_barrier() ::cpa_emu::arrive(::cpa_emu::kWaveBarrier)
-#define __builtin_amdgcn_fence(order, scope) ::cpa_emu::fence(scope)
+#define __builtin_amdgcn_fence(order, scope) ::cpa_emu::fence((order), (scope))
 #define __builtin_amdgcn_ds_bpermute(addr, v) ::cpa_emu::bpermute((addr), (v))
 #define __builtin_amdgcn_exp2f(x) ::exp2f(x)
 #define __builtin_amdgcn_mfma_f32_16x16x16f16(a, b, c, cbsz, abid, blgp) \
@@ -834,7 +909,7 @@ inline int fetch_add(int* p, int v, bool releases) {
 #define __builtin_amdgcn_mfma_f32_4x4x4bf16_1k(a, b, c, cbsz, abid, blgp) \
   ::cpa_emu::mfma<::cpa_emu::kMfma4, true>((a), (b), (c))
 #define __HIP_MEMORY_SCOPE_AGENT 0
-#define __hip_atomic_fetch_add(p, v, order, scope) ::cpa_emu::fetch_add((p), (v), (order) != __ATOMIC_RELAXED)
+#define __hip_atomic_fetch_add(p, v, order, scope) ::cpa_emu::fetch_add((p), (v), (order))
 #define __hip_atomic_store(p, v, order, scope) ((void)(*(p) = (v)))
 #else  // CPA_CUDA: the CUDA built-ins platform.h's CUDA branches call (its PTX asm has CPA_EMU branches)
 namespace cpa_emu {
@@ -855,7 +930,7 @@ inline V shfl(V v, int src) {
 #define blockIdx (::cpa_emu::block_index())
 #define __syncthreads() ::cpa_emu::arrive(::cpa_emu::kBarrier)
 #define __syncwarp() ::cpa_emu::arrive(::cpa_emu::kWaveBarrier)
-#define __threadfence() ::cpa_emu::fence("agent")
+#define __threadfence() ::cpa_emu::fence(__ATOMIC_SEQ_CST, "agent")  // (fence.sc.gpu)
 // (the kernels shuffle with the full mask only: every lane of the warp takes part)
 #define __shfl_xor_sync(mask, v, m) ::cpa_emu::shfl((v), ::cpa_emu::lane_now() ^ (m))
 #define __shfl_sync(mask, v, src) ::cpa_emu::shfl((v), (src))
@@ -863,7 +938,7 @@ struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 template <class P> inline P __ldg(const P* p) { return *p; }
 template <class P> inline P __ldcg(const P* p) { return *p; }
-inline int atomicAdd(int* p, int v) { return ::cpa_emu::fetch_add(p, v, false); }  // (relaxed)
+inline int atomicAdd(int* p, int v) { return ::cpa_emu::fetch_add(p, v, __ATOMIC_RELAXED); }
 inline int atomicExch(int* p, int v) { const int old = *p; *p = v; return old; }
 // __byte_perm(x, y, s): byte n of the result is byte (s >> 4n) & 7 of the 8 bytes {y, x}
 // (x bytes 0-3, y bytes 4-7)
