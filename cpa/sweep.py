@@ -1423,14 +1423,13 @@ def release_frames(exc: BaseException) -> None:
     import inspect
     import types
 
-    todo, seen, frames, reached = [exc], set(), [], []
+    todo, seen, frames = [exc], set(), []
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        reached.append(e)
-        tb = e.__traceback__
+        tb, e.__traceback__ = e.__traceback__, None  # (its frames are held in `frames` until cleared)
         while tb is not None:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
@@ -1452,8 +1451,6 @@ def release_frames(exc: BaseException) -> None:
                 except RuntimeError:  # still executing: a caller of this row
                     pass
             f = f.f_back
-    for e in reached:
-        e.__traceback__ = None
 
 
 def _row(base: dict, pt: Point, v: RowVariant, res: dict, read_gbps: float, timestamp: str) -> dict:

@@ -416,7 +416,10 @@ def test_fused_combine_reads_only_released_and_acquired_partials(platform, mutat
                                   memory_model=model, workgroups_at_once=at_once, schedule_seed=3)
         return reference.relative_error(out, ref, per_seq=True)
 
-    assert emu.MEMORY_MODELS[0] == "acquire-release"  # (the default of paged_attention and `cpa emu`)
+    import inspect
+
+    assert emu.MEMORY_MODELS[0] == "acquire-release"
+    assert inspect.signature(emu.paged_attention).parameters["memory_model"].default == "acquire-release"
     for at_once in (1, 4):
         for model in emu.MEMORY_MODELS:
             e = err(model, at_once)

@@ -255,11 +255,12 @@ inline void release() {
   Group& g = group();
   apply(g.unreleased, g.log, g.log ? ++g.log->releases : 0, g.serial);
 }
-// An acquire by the running thread: every release of the launch so far is visible to it.
-inline void acquire() {
-  Group& g = group();
-  if (g.log) g.lanes[g.cur].acquired = g.log->releases;
+// An acquire by thread `t` (the running one by default): every release of the launch so far is
+// visible to it.
+inline void acquire(Group& g, int t) {
+  if (g.log) g.lanes[t].acquired = g.log->releases;
 }
+inline void acquire() { acquire(group(), group().cur); }
 // __ATOMIC_* orders (the HIP builtins' and the CUDA side's)
 inline bool releases(int order) { return order == __ATOMIC_RELEASE || order == __ATOMIC_ACQ_REL || order == __ATOMIC_SEQ_CST; }
 inline bool acquires(int order) { return order == __ATOMIC_ACQUIRE || order == __ATOMIC_CONSUME || order == __ATOMIC_ACQ_REL || order == __ATOMIC_SEQ_CST; }
@@ -269,6 +270,26 @@ inline void pass_acquired(Group& g, int t0, int t1) {
   for (int t = t0; t < t1; ++t) a = std::max(a, g.lanes[t].acquired);
   for (int t = t0; t < t1; ++t) g.lanes[t].acquired = a;
 }
+// A launch's (or a PDL chain's) memory-model state, as the schedule asks for it: the stores its
+// ended workgroups never released and the log of its releases. attach() hands them to a host
+// thread's Group for the workgroups it runs, detach() takes them back; grid_ended() makes the
+// held stores visible (to the next launch, or past the dependent grid's wait).
+struct LaunchMemory {
+  HeldStores ended;
+  ReleaseLog log;
+  bool weak_stores, acquire_loads;
+  explicit LaunchMemory(const Schedule& sch)
+      : weak_stores(sch.weak_stores), acquire_loads(sch.weak_stores && sch.acquire_loads) {}
+  void attach(Group& g) {
+    g.ended = weak_stores ? &ended : nullptr;
+    g.log = acquire_loads ? &log : nullptr;
+  }
+  static void detach(Group& g) {
+    g.ended = nullptr;
+    g.log = nullptr;
+  }
+  void grid_ended() { apply(ended); }
+};
 // The workgroup ended: what it never released stays held until its grid ends.
 inline void end_of_workgroup(Group& g) {
   if (g.ended) g.ended->insert(g.ended->end(), g.unreleased.begin(), g.unreleased.end());
@@ -540,7 +561,7 @@ inline bool run_group(int threads, int bx, int by, int bz, std::function<void()>
       if (g.lanes[t].op == kGridWait) {
         if (grid_wait_over(g)) {
           g.lanes[t].op = kRun;
-          if (g.log) g.lanes[t].acquired = g.log->releases;  // (griddepcontrol.wait acquires)
+          acquire(g, t);  // (griddepcontrol.wait acquires)
           progressed = true;
         } else {
           grid_waiting = true;
@@ -678,18 +699,13 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   const int n = cluster > 1 ? cluster : 1;
   std::vector<std::array<int, 3>> order;  // single workgroups in grid order, or clusters (x, z)
   if (!dispatch_units(gx, gy, gz, n, order)) return false;
-  HeldStores ended;  // weak_stores: held past their workgroup's end
-  HeldStores* held = sch.weak_stores ? &ended : nullptr;
-  ReleaseLog releases;  // acquire_loads
-  ReleaseLog* log = sch.weak_stores && sch.acquire_loads ? &releases : nullptr;
+  LaunchMemory memory(sch);
   if (sch.workers <= 1 && n == 1) {
-    group().ended = held;
-    group().log = log;
+    memory.attach(group());
     bool ok = true;
     for (size_t i = 0; ok && i < order.size(); ++i) ok = run_group(threads, order[i][0], order[i][1], order[i][2], body);
-    group().ended = nullptr;
-    group().log = nullptr;
-    apply(ended);
+    LaunchMemory::detach(group());
+    memory.grid_ended();
     return ok;
   }
   std::mt19937_64 rng(sch.seed);
@@ -699,8 +715,7 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
   std::vector<Cluster> clusters(n > 1 ? order.size() : 0, Cluster(n));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
   const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
-    g.ended = held;
-    g.log = log;
+    memory.attach(g);
     bool ok = true;
     if (n == 1) {
       while (ok && !g.baton->abort && next < order.size()) {
@@ -717,11 +732,10 @@ inline bool run_grid(int gx, int gy, int gz, int threads, Body body, int cluster
       }
       g.cluster = nullptr;
     }
-    g.ended = nullptr;
-    g.log = nullptr;
+    LaunchMemory::detach(g);
     return ok;
   });
-  apply(ended);  // the grid has ended: its stores are visible to the next launch
+  memory.grid_ended();  // its stores are visible to the next launch
   return ok;
 }
 
@@ -771,14 +785,10 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
   const int workers = std::max(widest, std::min<int>((sch.workers + widest - 1) / widest * widest,
                                                      (int)order.size()));
   size_t next = 0;  // (read and advanced by the thread holding the turn only)
-  HeldStores ended;  // weak_stores: held past their workgroup's end
-  HeldStores* held = sch.weak_stores ? &ended : nullptr;
-  ReleaseLog releases;  // acquire_loads: one for the chain (a thread past its wait has acquired it all)
-  ReleaseLog* log = sch.weak_stores && sch.acquire_loads ? &releases : nullptr;
+  LaunchMemory memory(sch);  // one for the chain (a thread past its wait has acquired it all)
   const bool ok = run_workers(workers, rng(), sch.until_blocked, [&](Group& g, int w, std::string& error) {
     Baton& baton = *g.baton;
-    g.ended = held;
-    g.log = log;
+    memory.attach(g);
     bool ok = true;
     while (ok && !baton.abort && next < order.size()) {
       const std::array<int, 5> b = order[next++];
@@ -803,18 +813,17 @@ inline bool run_pdl_chain(const std::vector<GridSpec>& grids) {
       if (ok && g.pdl_next) {
         if (!g.triggered) count_trigger(g);
         if (++g.pdl_next->done == g.pdl_next->primaries) {
-          apply(ended);  // the grid has ended: its stores are visible past the dependent's wait
+          memory.grid_ended();  // its stores are visible past the dependent's wait
           unblock(baton, g.pdl_next->grid_waiters);
         }
       }
     }
     g.pdl_prior = g.pdl_next = nullptr;
     g.cluster = nullptr;
-    g.ended = nullptr;
-    g.log = nullptr;
+    LaunchMemory::detach(g);
     return ok;
   });
-  apply(ended);
+  memory.grid_ended();
   return ok;
 }
 
