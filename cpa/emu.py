@@ -130,19 +130,25 @@ def _compiler_version(compiler: str) -> str:
 def header_pch(compiler: str, platform: str, flags=()) -> Path:
     """emu/launch_emu.h precompiled for one platform and knob build: what every variant's build
     includes, parsed once (about 0.4 s of each build; the variant only instantiates templates)."""
-    # CSRC, not EMU: a test swaps in a mutated copy of CSRC. The path is part of the key: the
-    # headers' `#pragma once` is per file, so a PCH of another checkout's copy would be included
-    # a second time beside the variant's own #include.
+    # CSRC, not EMU: a test swaps in a mutated copy of CSRC. A PCH names the files it was made
+    # from and clang checks them (by content, FLAGS), so the path is part of its slot; a slot
+    # keeps only the PCH of the headers' latest bytes (12 MB each: an edit would pile them up).
     header = CSRC.resolve() / "emu" / "launch_emu.h"
-    key = hashlib.sha256(" ".join([str(header), sources_digest(CSRC), sources_digest(header.parent),
-                                   _compiler_version(compiler), *FLAGS,
-                                   *PLATFORM_FLAGS[platform], *flags]).encode()).hexdigest()[:16]
-    out = cache_root() / "emu" / f"launch_emu-{platform}-{key}.pch"
-    with _pch_locks.setdefault(key, threading.Lock()):  # one build per process; then every thread's
+    slot = _sha(str(header), _compiler_version(compiler), *FLAGS, *PLATFORM_FLAGS[platform], *flags)
+    content = _sha(sources_digest(CSRC), sources_digest(header.parent))
+    out = cache_root() / "emu" / f"launch_emu-{platform}-{slot}-{content}.pch"
+    with _pch_locks.setdefault(str(out), threading.Lock()):  # one build per process; then every thread's
         if not out.exists():
-            _compile([compiler, *FLAGS, *PLATFORM_FLAGS[platform], *flags, f"-I{CSRC}", "-x", "c++-header", str(header)],
-                     out, " ".join([f"{header} for {platform}", *flags]))
+            _compile([compiler, *FLAGS, *PLATFORM_FLAGS[platform], *flags, f"-I{CSRC}", "-x", "c++-header",
+                      str(header)], out, " ".join([f"{header} for {platform}", *flags]))
+            for old in out.parent.glob(f"launch_emu-{platform}-{slot}-*.pch"):
+                if old != out:
+                    old.unlink(missing_ok=True)
     return out
+
+
+def _sha(*parts: str) -> str:
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
 
 
 @dataclass

@@ -406,6 +406,8 @@ def test_fused_combine_reads_only_released_and_acquired_partials(platform, mutat
             assert text.count(old) == 1, f"{name} no longer holds {old!r}: update HANDOFF"
             (csrc / name).write_text(text.replace(old, new))
         monkeypatch.setattr(emu, "CSRC", csrc)
+        # (a PCH is kept per headers' path: one for this temporary copy stays with it)
+        monkeypatch.setenv("CPA_CACHE_DIR", str(tmp_path / "cache"))
     g, P, lens = GQA[platform]["mfma16"], 256, [300, 700, 1000]
     inp = make_paged_inputs(len(lens), g * 2, 2, 128, 16, lens, dtype=torch.float16, seed=5)
     kw = inp.as_kwargs()
@@ -435,7 +437,8 @@ def test_fused_combine_reads_only_released_and_acquired_partials(platform, mutat
 def test_one_precompiled_header_per_platform_kept_across_touched_headers(tmp_path, monkeypatch):
     """The variants of a platform share one precompiled emu/launch_emu.h, and a checkout that
     only touches the headers (new mtimes, same bytes) builds against it still: clang compares
-    their content, not their mtimes (-fpch-validate-input-files-content), and the build is right."""
+    their content, not their mtimes (-fpch-validate-input-files-content), and the build is right.
+    An edit of a header replaces it (the old one is deleted: 12 MB each)."""
     import os
     import shutil
     import time
@@ -462,6 +465,10 @@ def test_one_precompiled_header_per_platform_kept_across_touched_headers(tmp_pat
     out = emu.paged_attention(**inp.as_kwargs(), partition_size=256, tiling="mfma4")
     assert reference.relative_error(out, reference.paged_attention(**inp.as_kwargs())) <= \
         reference.REL_ERR_TOL[torch.float16]
+    platform_h = csrc / "platform.h"
+    platform_h.write_text(platform_h.read_text() + "// an edit\n")
+    emu.build(first)
+    assert len(pchs()) == 1 and pchs() != built
 
 
 CLUSTER = [("mfma16", 256, (1, 17, 255, 256, 257, 700)), ("mfma4", 512, (5, 600, 1800, 3000)),
