@@ -44,7 +44,6 @@ from .ops import cluster_refusal, fp8_format_unsupported, kernel_scalars, shared
 from .static import check_knob_flags, find_clang
 from .validation import validate_paged_attention_args
 
-EMU = CSRC / "emu"
 # `#pragma unroll` is for the GPU's registers; on the host it only multiplies the code clang
 # optimizes (-pragma-unroll-threshold=0: a build 0.5 s shorter, the emulated run as fast).
 # -fpch-validate-input-files-content: a checkout that only touches the headers keeps the PCH.
@@ -92,11 +91,19 @@ def check_flags(flags) -> tuple:
     return flags
 
 
-def _digest(compiler: str, variant: V.Variant, flags=()) -> str:
-    # the kernel headers and the emulator's (clang++ on the host: ext_vector_type, _Float16)
-    key = " ".join([sources_digest(CSRC), sources_digest(EMU), compiler, *FLAGS, *PLATFORM_FLAGS[variant.platform],
-                    source(variant), *flags])
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+def _sha(*parts: str) -> str:
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
+
+
+def _headers_digest() -> str:
+    """The kernel headers and the emulator's, of CSRC as it is now (a test swaps in a mutated
+    copy of CSRC, emu/ included)."""
+    return _sha(sources_digest(CSRC), sources_digest(CSRC / "emu"))
+
+
+def _digest(compiler: str, variant: V.Variant, flags, headers: str) -> str:
+    # (clang++ on the host: ext_vector_type, _Float16)
+    return _sha(headers, compiler, *FLAGS, *PLATFORM_FLAGS[variant.platform], source(variant), *flags)
 
 
 def source(variant: V.Variant) -> str:
@@ -106,12 +113,15 @@ def source(variant: V.Variant) -> str:
     return f'CPA_DEFINE_EMU_VARIANT("{variant.name}", {variant.cpp_config()})\n'
 
 
-def _compile(args: list, out: Path, what: str) -> None:
-    """clang++ ARGS -o OUT, written through a temporary name in OUT's folder: a concurrent build
-    of the same key writes the same bytes, and os.replace is atomic."""
+def _compile(args: list, out: Path, what: str, source_text: str | None = None) -> None:
+    """clang++ ARGS [tu.cpp holding SOURCE_TEXT] -o OUT, written through a temporary name in OUT's
+    folder: a concurrent build of the same key writes the same bytes, and os.replace is atomic."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as work:
         tmp = Path(work) / out.name
+        if source_text is not None:
+            (Path(work) / "tu.cpp").write_text(source_text)
+            args = [*args, "tu.cpp"]
         p = subprocess.run([*args, "-o", str(tmp)], capture_output=True, text=True, timeout=600, cwd=work)
         if p.returncode:
             raise RuntimeError(f"emulator build of {what} failed:\n{p.stderr[-4000:]}")
@@ -127,16 +137,16 @@ def _compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
 
 
-def header_pch(compiler: str, platform: str, flags=()) -> Path:
+def header_pch(compiler: str, platform: str, flags=(), headers: str | None = None) -> Path:
     """emu/launch_emu.h precompiled for one platform and knob build: what every variant's build
-    includes, parsed once (about 0.4 s of each build; the variant only instantiates templates)."""
-    # CSRC, not EMU: a test swaps in a mutated copy of CSRC. A PCH names the files it was made
-    # from and clang checks them (by content, FLAGS), so the path is part of its slot; a slot
-    # keeps only the PCH of the headers' latest bytes (12 MB each: an edit would pile them up).
+    includes, parsed once (about 0.4 s of each build; the variant only instantiates templates).
+    ``headers``: _headers_digest(), where the caller has it already."""
+    # A PCH names the files it was made from and clang checks them (by content, FLAGS), so the
+    # path is part of its slot; a slot keeps only the PCH of the headers' latest bytes (12 MB
+    # each: an edit would pile them up).
     header = CSRC.resolve() / "emu" / "launch_emu.h"
     slot = _sha(str(header), _compiler_version(compiler), *FLAGS, *PLATFORM_FLAGS[platform], *flags)
-    content = _sha(sources_digest(CSRC), sources_digest(header.parent))
-    out = cache_root() / "emu" / f"launch_emu-{platform}-{slot}-{content}.pch"
+    out = cache_root() / "emu" / f"launch_emu-{platform}-{slot}-{headers or _headers_digest()}.pch"
     with _pch_locks.setdefault(str(out), threading.Lock()):  # one build per process; then every thread's
         if not out.exists():
             _compile([compiler, *FLAGS, *PLATFORM_FLAGS[platform], *flags, f"-I{CSRC}", "-x", "c++-header",
@@ -145,10 +155,6 @@ def header_pch(compiler: str, platform: str, flags=()) -> Path:
                 if old != out:
                     old.unlink(missing_ok=True)
     return out
-
-
-def _sha(*parts: str) -> str:
-    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -200,18 +206,15 @@ def build(variant: V.Variant, flags=()) -> EmuKernel:
     side); ``flags``: -D knob definitions of a knob's build (check_flags)."""
     flags = check_flags(flags)
     cxx = find_clang()
-    key = _digest(cxx, variant, flags)
+    headers = _headers_digest()
+    key = _digest(cxx, variant, flags, headers)
     if key in _loaded:
         return _loaded[key]
     out = cache_root() / "emu" / f"{variant.name}-{key}.so"
     if not out.exists():
-        pch = header_pch(cxx, variant.platform, flags)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as work:
-            src = Path(work) / "tu.cpp"
-            src.write_text(source(variant))
-            _compile([cxx, *FLAGS, *PLATFORM_FLAGS[variant.platform], *flags, "-shared", f"-I{CSRC}",
-                      "-include-pch", str(pch), str(src)], out, variant.name)
+        pch = header_pch(cxx, variant.platform, flags, headers)
+        _compile([cxx, *FLAGS, *PLATFORM_FLAGS[variant.platform], *flags, "-shared", f"-I{CSRC}", "-include-pch",
+                  str(pch)], out, variant.name, source(variant))
     k = _loaded[key] = EmuKernel(variant, out, ctypes.CDLL(str(out)))
     return k
 
