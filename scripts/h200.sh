@@ -16,6 +16,15 @@ if [ -z "${CPA_GIT_COMMIT:-}" ]; then
   echo "h200.sh: set CPA_GIT_COMMIT=<the full sha of the local checkout> (git rev-parse HEAD here, not there)" >&2
   exit 2
 fi
+# A full sha, as `git rev-parse HEAD` prints it (a short or mistyped one would be recorded as is)
+case "$CPA_GIT_COMMIT" in
+  *[!0-9a-f]*) bad_sha=1;;
+  *) [ ${#CPA_GIT_COMMIT} -eq 40 ] && bad_sha=0 || bad_sha=1;;
+esac
+if [ "$bad_sha" = 1 ]; then
+  echo "h200.sh: CPA_GIT_COMMIT=$CPA_GIT_COMMIT is not a full sha (40 hex digits); pass git rev-parse HEAD of the caller's checkout" >&2
+  exit 2
+fi
 # A commit this copy's git knows must hold the code sent: on 2026-12-07 `$(git rev-parse HEAD)`
 # evaluated there named the session's first commit for a tree four commits later. (A newer
 # commit is unknown there and passes.)

@@ -80,3 +80,12 @@ def test_a_commit_whose_code_is_not_the_tree_is_refused(tmp_path):
     if not dirty:  # the checkout's own commit passes
         r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_GIT_COMMIT", head), ("CPA_SWEEP_FRESH", "1"))
         assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("sha", ["d6eadc3", "d6eadc36cfac9ef4f4ef9b31048249c73a66895", "D6EADC36CFAC9EF4F4EF9B31048249C73A668953",
+                                 "g" + "0" * 39, "0" * 40 + "-dirty", "0" * 41])
+def test_a_commit_that_is_not_a_full_sha_is_refused(tmp_path, sha):
+    """A short, mistyped or decorated CPA_GIT_COMMIT stops the script before any step: it would be
+    recorded as the measurements' commit as is (the copy's git does not know newer commits)."""
+    r, calls = _run(tmp_path, "NVIDIA H200", ("CPA_GIT_COMMIT", sha))
+    assert r.returncode == 2 and "not a full sha" in r.stderr and calls == ""
