@@ -1,6 +1,6 @@
 # cpa -- developer entry points:
-#   make test     create/refresh .venv, then run the test suite
-#   make report   create/refresh .venv, then build the HTML report (`cpa report`: notebooks run headless)
+#   make test     create/refresh .venv, install the compilers' system packages, run the test suite
+#   make report   the same set-up, then build the HTML report (`cpa report`: notebooks run headless)
 #
 # .venv reuses an existing torch when $(PYTHON) already has one (--system-site-packages);
 # otherwise it installs $(TORCH_PIN), the CPU build -- an unpinned `torch` would pull a
@@ -13,7 +13,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.cpa-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test report
+.PHONY: venv sysdeps test report
 
 venv: $(STAMP)
 
@@ -33,10 +33,15 @@ $(STAMP): pyproject.toml
 	"$(VPY)" -m pip install -q -e '.[test]'
 	@touch "$@"
 
-test: venv
+# clang-19 for the gfx942 compile-only analysis and the wave emulator (scripts/sysdeps.sh:
+# apt-get where it can, else it says what to install and the tests that need it skip)
+sysdeps:
+	@bash scripts/sysdeps.sh
+
+test: venv sysdeps
 	@"$(VPY)" -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: ERROR: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 
-report: venv
+report: venv sysdeps
 	"$(VENV)/bin/cpa" report
