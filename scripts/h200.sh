@@ -17,11 +17,7 @@ if [ -z "${CPA_GIT_COMMIT:-}" ]; then
   exit 2
 fi
 # A full sha, as `git rev-parse HEAD` prints it (a short or mistyped one would be recorded as is)
-case "$CPA_GIT_COMMIT" in
-  *[!0-9a-f]*) bad_sha=1;;
-  *) [ ${#CPA_GIT_COMMIT} -eq 40 ] && bad_sha=0 || bad_sha=1;;
-esac
-if [ "$bad_sha" = 1 ]; then
+if ! [[ $CPA_GIT_COMMIT =~ ^[0-9a-f]{40}$ ]]; then
   echo "h200.sh: CPA_GIT_COMMIT=$CPA_GIT_COMMIT is not a full sha (40 hex digits); pass git rev-parse HEAD of the caller's checkout" >&2
   exit 2
 fi
